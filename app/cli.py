@@ -1,0 +1,118 @@
+"""Command line: run the service from serve_config.yaml in the foreground.
+
+    python -m app.cli run [--config serve_config.yaml] [--num-cpus N]
+
+It does what ``serve run serve_config.yaml`` does, plus what a laptop needs: starts a local
+Ray with enough logical CPUs for every deployment (Ray would see only the real cores),
+prints progress, waits for /ready and prints the URL, and shuts down cleanly on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+
+def _say(msg: str) -> None:
+    print(f"\033[1m[llm-serve]\033[0m {msg}", flush=True)
+
+
+def load_serve_config(path: Path) -> dict:
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    apps = doc.get("applications") or []
+    if len(apps) != 1:
+        raise SystemExit(f"{path}: expected exactly one application, found {len(apps)}")
+    return doc
+
+
+def wait_ready(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    return False
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    doc = load_serve_config(Path(args.config))
+    app_doc = doc["applications"][0]
+    http = doc.get("http_options") or {}
+    host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+
+    _say(f"validating {args.config} and preparing the model")
+    application = build_app(app_doc.get("args") or {})
+
+    _say(f"starting Ray (num_cpus={args.num_cpus})")
+    ray.init(
+        num_cpus=args.num_cpus,
+        include_dashboard=False,
+        log_to_driver=args.verbose,
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
+    serve.start(http_options={"host": host, "port": port})
+    _say("deploying Ingress → Router → ComputeWorker (loading weights, warm-up)")
+    serve.run(
+        application,
+        name=app_doc.get("name", "llm"),
+        route_prefix=app_doc.get("route_prefix", "/"),
+        blocking=False,
+    )
+    url = f"http://{host}:{port}"
+    if not wait_ready(url, timeout_s=args.ready_timeout_s):
+        _say(f"the service did not become ready within {args.ready_timeout_s}s")
+        serve.shutdown()
+        return 1
+    _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    _say("shutting down")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-serve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run the service in the foreground")
+    p_run.add_argument("--config", default="serve_config.yaml")
+    p_run.add_argument(
+        "--num-cpus",
+        type=int,
+        default=8,
+        help="logical CPUs Ray schedules with (not cores): enough for every deployment",
+    )
+    p_run.add_argument("--ready-timeout-s", type=float, default=600)
+    p_run.add_argument("--verbose", action="store_true", help="stream replica logs here")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

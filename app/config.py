@@ -1,0 +1,179 @@
+"""Configuration: one pydantic tree validated from the ``args:`` of ``serve_config.yaml``.
+
+Every field carries a description and bounds; a bad value fails ``build_app`` (and so the
+deploy) with pydantic's message, which names the field path and the allowed range.
+Secrets never live here: they come from the environment (see ``telemetry``/``security``
+sections of later issues).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    # An unknown key is an error that names it: a typo must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    id: str = Field(
+        default="tiny-llama",
+        min_length=1,
+        description="Model name clients send in the `model` field and /v1/models lists.",
+    )
+    path: str = Field(
+        default="models/tiny",
+        description="Local directory of a Hugging Face checkpoint (config.json, "
+        "safetensors, tokenizer.json). Relative paths resolve against the working "
+        "directory of `serve run`. Read-only.",
+    )
+    build_preset: Optional[Literal["tiny", "small"]] = Field(
+        default=None,
+        description="If set and `path` holds no checkpoint, build the offline random-"
+        "weight model of this preset there before loading (development and CI only).",
+    )
+    max_model_len: Optional[int] = Field(
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Context length in tokens (prompt + output). Defaults to the "
+        "checkpoint's max_position_embeddings.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weight and activation dtype of the torch engine."
+    )
+
+    def resolved_path(self) -> Path:
+        return Path(self.path).expanduser().resolve()
+
+    def checkpoint_max_len(self) -> int:
+        """The context length: the configured one, else the checkpoint's own."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        cfg = json.loads((self.resolved_path() / "config.json").read_text())
+        return int(cfg["max_position_embeddings"])
+
+
+class EngineConfig(_Strict):
+    name: Literal["torch", "vllm"] = Field(
+        default="torch", description="Which engine the ComputeWorkers run."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="torch engine device; `auto` takes CUDA when present."
+    )
+    max_num_seqs: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description="Most sequences the engine runs at once (continuous batch size).",
+    )
+    num_threads: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=512,
+        description="torch intra-op threads per worker on CPU; default: the CPUs Ray "
+        "gave the replica.",
+    )
+    warmup: bool = Field(
+        default=True,
+        description="Run one generation before the replica reports ready.",
+    )
+
+
+class ComputeConfig(_Strict):
+    num_replicas: int = Field(default=1, ge=1, le=1024, description="ComputeWorker replicas.")
+    num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per replica.")
+    num_gpus: float = Field(default=0.0, ge=0, le=64, description="GPUs per replica.")
+    max_ongoing_requests: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="Requests Serve lets into one replica at once (running + waiting).",
+    )
+    health_check_period_s: float = Field(default=10.0, gt=0, le=600)
+    health_check_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+
+
+class RouterConfig(_Strict):
+    num_replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    max_batch_size: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="A batch is dispatched as soon as it holds this many requests.",
+    )
+    batch_wait_timeout_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=10_000,
+        description="Longest a request waits for its batch to fill while every worker "
+        "is busy. A request arriving while a worker is idle is dispatched at once.",
+    )
+    max_queue_depth: int = Field(
+        default=512,
+        ge=1,
+        le=1_000_000,
+        description="Requests admitted by one router replica and not yet finished; "
+        "beyond it new requests get 429 with Retry-After.",
+    )
+    retry_after_s: int = Field(
+        default=1, ge=1, le=3600, description="Retry-After seconds sent with a 429."
+    )
+
+
+class LimitsConfig(_Strict):
+    max_request_body_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        le=1 << 30,
+        description="Largest HTTP request body; larger gets 413.",
+    )
+    default_max_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=1_048_576,
+        description="`max_tokens` when the client sends none (capped by the context).",
+    )
+    max_stop_sequences: int = Field(default=4, ge=0, le=64)
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, le=86_400, description="Wall-clock cap on one request."
+    )
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
+    num_cpus: float = Field(default=0.5, ge=0, le=64)
+
+
+class TelemetryConfig(_Strict):
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
+    otlp_endpoint: Optional[str] = Field(
+        default=None,
+        description="OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces); "
+        "unset keeps spans in-process (visible to tests and logs) and exports nothing.",
+    )
+    trace_sample_ratio: float = Field(default=1.0, ge=0, le=1)
+
+
+class AppConfig(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "AppConfig":
+        if self.router.max_batch_size > self.compute.max_ongoing_requests:
+            raise ValueError(
+                f"router.max_batch_size ({self.router.max_batch_size}) must not exceed "
+                f"compute.max_ongoing_requests ({self.compute.max_ongoing_requests})"
+            )
+        return self

@@ -1,0 +1,75 @@
+"""Tracing and logging setup shared by every deployment.
+
+Spans: ``ingress.request`` → ``router.queue`` / ``router.dispatch`` → ``worker.generate``;
+the trace context travels inside :class:`GenerationRequest.trace_headers` across Serve hops.
+Without ``telemetry.otlp_endpoint`` spans are recorded but exported nowhere (the SDK still
+assigns ids, which appear in log lines); with it they go to an OTLP/HTTP collector.
+
+Metrics use ``ray.util.metrics`` so every replica's figures are exported by its node's
+metrics agent and scraped by Prometheus; the ingress serves the merged text at /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+from app.config import TelemetryConfig
+
+_lock = threading.Lock()
+_configured = False
+
+# Latency buckets in seconds, from sub-millisecond router hops to multi-minute generations.
+LATENCY_BUCKETS_S = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+]
+TOKEN_LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
+
+
+def setup(config: TelemetryConfig, service_name: str) -> None:
+    """Configure logging level and the tracer provider once per process."""
+    global _configured
+    logging.getLogger("ray.serve").setLevel(config.log_level)
+    with _lock:
+        if _configured:
+            return
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBasedTraceIdRatio(config.trace_sample_ratio),
+        )
+        if config.otlp_endpoint:
+            # Imported only when configured: the exporter is an optional dependency.
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_endpoint))
+            )
+        trace.set_tracer_provider(provider)
+        _configured = True
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_context() -> dict[str, str]:
+    """The current span's context as W3C headers, to carry across a Serve hop."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract_context(headers: Optional[dict[str, str]]):
+    return propagate.extract(headers or {})
+
+
+def trace_id_hex() -> str:
+    ctx = trace.get_current_span().get_span_context()
+    return f"{ctx.trace_id:032x}" if ctx.is_valid else "-"

@@ -1,0 +1,127 @@
+"""The engine protocol: the one interface every ComputeWorker engine implements.
+
+The worker deployment, the router and the ingress only ever see the types in this
+module, so an engine (``torch``, ``vllm``) can be swapped by configuration alone.
+
+Contract of :meth:`Engine.generate`:
+
+* it is an async iterator of :class:`TokenDelta`;
+* every delta carries the *new* text and token ids since the previous delta (never the
+  cumulative text); several tokens may be coalesced into one delta when the consumer is
+  slower than the engine;
+* exactly one delta, the last, has ``finish_reason`` set (``"stop"`` or ``"length"``),
+  after which the iterator ends;
+* an error ends the iterator by raising an :class:`EngineError` subclass; a request the
+  engine refuses up front (too long, bad parameters) raises :class:`RequestRejected`
+  before the first delta;
+* closing the iterator early (``aclose()`` or cancelling the task that iterates it) aborts
+  the request inside the engine: its slot is free again within one engine step.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Optional
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (exact argmax)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # W3C trace context (``traceparent``...) of the caller's span, so the worker's spans
+    # join the request's trace across Serve hops.
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New output since the previous delta of the same request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[FinishReason] = None
+    num_prompt_tokens: int = 0
+    # Cumulative number of output tokens generated so far (including this delta).
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    # Fraction of the engine's KV capacity in use, in [0, 1].
+    kv_usage: float = 0.0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """Optional abilities, with safe defaults: the caller checks before relying on one."""
+
+    # The engine batches at iteration level itself; the router still may group arrivals.
+    continuous_batching: bool = False
+    # Whether the router should hold requests to form batches in front of this engine.
+    # An engine that batches continuously on its own (vLLM) says False.
+    wants_router_batching: bool = True
+    # export_kv()/import_kv() of prefix blocks are available.
+    supports_kv_export: bool = False
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request; maps to HTTP 500/503."""
+
+
+class EngineDeadError(EngineError):
+    """The engine can serve nothing more; the replica must be replaced (HTTP 503)."""
+
+
+class RequestRejected(ValueError):
+    """The engine refuses this request before generating (HTTP 400). ``param`` names the
+    offending field when there is one."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Engine(abc.ABC):
+    """Base class of engines. Implementations must be safe to call from one asyncio loop."""
+
+    capabilities: EngineCapabilities = EngineCapabilities()
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and get ready; returns once the engine can serve."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the output of one request (see the module docstring for the contract)."""
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine can no longer serve."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """Cheap, non-blocking snapshot of the engine's load."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop serving and release resources; in-flight requests end with an error."""

@@ -1,0 +1,183 @@
+"""Router: admission control and dynamic batching between the ingress and the workers.
+
+Request path inside one router replica::
+
+    generate() ─ admission (bounded; full → 429) ─ batcher (size / wait / idle fast path)
+             ─ dispatch: each member of a batch calls the worker with the batch's key, so
+               the request router (placement.py) puts the whole batch on one replica
+             ─ stream the worker's deltas back; closing the stream cancels the worker call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from ray.util import metrics
+
+from app import telemetry
+from app.config import AppConfig
+from app.errors import RateLimitError
+from app.telemetry import LATENCY_BUCKETS_S
+from deployments.compute.engines.protocol import GenerationRequest, TokenDelta
+from deployments.router.batcher import DynamicBatcher
+from deployments.router.placement import TRACKER
+
+logger = logging.getLogger("ray.serve")
+
+
+class Admission:
+    """A bounded count of requests in the router (queued + running). Plain logic."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.depth = 0
+
+    def try_acquire(self) -> bool:
+        if self.depth >= self.max_depth:
+            return False
+        self.depth += 1
+        return True
+
+    def release(self) -> None:
+        self.depth -= 1
+
+
+@dataclass(eq=False, slots=True)
+class _Queued:
+    request: GenerationRequest
+    enqueued_at: float
+    dispatched: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Router:
+    def __init__(self, worker: DeploymentHandle, config: dict):
+        self._config = AppConfig.model_validate(config)
+        telemetry.setup(self._config.telemetry, "router")
+        self._tracer = telemetry.tracer(__name__)
+        self._worker = worker.options(stream=True)
+        self._capabilities_worker = worker
+        rc = self._config.router
+        self._admission = Admission(rc.max_queue_depth)
+        self._batcher: DynamicBatcher[_Queued] = DynamicBatcher(
+            self._dispatch,
+            max_batch_size=rc.max_batch_size,
+            batch_wait_timeout_s=rc.batch_wait_timeout_ms / 1000.0,
+            has_idle_worker=self._has_idle_worker,
+        )
+        self._batching_resolved = False
+        self._router_id = uuid.uuid4().hex[:8]
+        # Requests dispatched to a worker and not yet finished, across all workers.
+        self._num_inflight = 0
+        self._m_queue_depth = metrics.Gauge(
+            "llm_router_queue_depth", "Requests admitted by the router and not finished."
+        )
+        self._m_pending = metrics.Gauge(
+            "llm_router_batch_pending", "Requests waiting in the router for a batch to leave."
+        )
+        self._m_batch_size = metrics.Histogram(
+            "llm_router_batch_size",
+            "Requests per dispatched batch.",
+            boundaries=[1, 2, 4, 8, 16, 32, 64, 128],
+            tag_keys=("reason",),
+        )
+        self._m_queue_wait = metrics.Histogram(
+            "llm_router_queue_wait_seconds",
+            "Time from admission to dispatch to a worker.",
+            boundaries=LATENCY_BUCKETS_S,
+        )
+        self._m_rejected = metrics.Counter(
+            "llm_router_rejected", "Requests rejected because the queue was full."
+        )
+
+    def _has_idle_worker(self) -> bool:
+        # Placement spreads requests by queue length, so while this router has fewer
+        # requests in flight than there are workers, at least one worker is idle.
+        return self._num_inflight < max(TRACKER.num_replicas, 1)
+
+    def _dispatch(self, batch_id: int, batch: list[_Queued], reason: str) -> None:
+        self._m_batch_size.observe(len(batch), tags={"reason": reason})
+        batch_key = f"{self._router_id}-{batch_id}"
+        now = time.monotonic()
+        for item in batch:
+            self._m_queue_wait.observe(now - item.enqueued_at)
+            if not item.dispatched.done():
+                item.dispatched.set_result(batch_key)
+                # Counted here, synchronously, so the next arrival already sees it.
+                self._num_inflight += 1
+        self._m_pending.set(self._batcher.num_pending)
+
+    async def _resolve_batching(self) -> None:
+        # An engine that batches continuously by itself (vLLM) gains nothing from a wait.
+        if self._batching_resolved:
+            return
+        self._batching_resolved = True
+        try:
+            caps = await self._capabilities_worker.capabilities.remote()
+            if not caps.wants_router_batching:
+                self._batcher.max_batch_size = 1
+                logger.info("router batching off: the engine batches continuously itself")
+        except Exception:  # a worker still starting: keep the configured batching
+            self._batching_resolved = False
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if not self._admission.try_acquire():
+            self._m_rejected.inc()
+            retry_after = str(self._config.router.retry_after_s)
+            raise RateLimitError(
+                f"The router queue is full ({self._admission.max_depth} requests); "
+                f"retry after {retry_after}s.",
+                code="queue_full",
+                headers={"Retry-After": retry_after},
+            )
+        self._m_queue_depth.set(self._admission.depth)
+        ctx = telemetry.extract_context(request.trace_headers)
+        item = None
+        try:
+            await self._resolve_batching()
+            with self._tracer.start_as_current_span("router.queue", context=ctx) as span:
+                item = _Queued(request, time.monotonic())
+                self._batcher.submit(item)
+                self._m_pending.set(self._batcher.num_pending)
+                batch_key = await item.dispatched
+                span.set_attribute("llm.batch_key", batch_key)
+                request.trace_headers = telemetry.inject_context()
+            stream = self._worker.generate.remote(request, batch_key=batch_key)
+            async for delta in stream:
+                yield delta
+        finally:
+            if item is not None and (item.dispatched.cancelled() or not item.dispatched.done()):
+                # The client left while the request waited for its batch.
+                item.dispatched.cancel()
+                self._batcher.remove(item)
+                self._m_pending.set(self._batcher.num_pending)
+            elif item is not None:
+                self._num_inflight -= 1
+                if self._has_idle_worker():
+                    self._batcher.notify_idle()
+            self._admission.release()
+            self._m_queue_depth.set(self._admission.depth)
+
+    async def ready(self) -> bool:
+        return await self._capabilities_worker.ready.remote()
+
+    def queue_depth(self) -> int:
+        return self._admission.depth
+
+
+def router_deployment(config: AppConfig):
+    rc = config.router
+    return serve.deployment(Router).options(
+        name="Router",
+        num_replicas=rc.num_replicas,
+        # The router admits up to max_queue_depth itself and answers 429 past it; Serve's
+        # own limit sits just above so that our clear error wins over Serve's backpressure.
+        max_ongoing_requests=rc.max_queue_depth + 1,
+        ray_actor_options={"num_cpus": 0.25},
+    )

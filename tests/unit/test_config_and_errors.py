@@ -1,0 +1,127 @@
+"""Config validation, request schemas and the mapping of failures to OpenAI errors."""
+
+import asyncio
+import pickle
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.config import AppConfig
+from app.errors import (
+    APIError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    RateLimitError,
+    ServiceUnavailableError,
+    to_api_error,
+)
+from app.metrics_export import merge_exposition
+from app.schemas import ChatCompletionRequest, CompletionRequest
+from deployments.compute.engines.protocol import EngineDeadError, RequestRejected
+
+
+def test_serve_config_yaml_args_validate():
+    doc = yaml.safe_load(open("serve_config.yaml"))
+    cfg = AppConfig.model_validate(doc["applications"][0]["args"])
+    assert cfg.model.id == "tiny-llama"
+    assert cfg.router.max_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "args, field, bound",
+    [
+        ({"router": {"max_batch_size": 0}}, "router.max_batch_size", "greater than or equal to 1"),
+        ({"router": {"batch_wait_timeout_ms": -1}}, "router.batch_wait_timeout_ms", "greater than or equal to 0"),
+        ({"engine": {"max_num_seqs": 5000}}, "engine.max_num_seqs", "less than or equal to 4096"),
+        ({"engine": {"name": "tensorrt"}}, "engine.name", "'torch' or 'vllm'"),
+        ({"compute": {"num_replicas": 0}}, "compute.num_replicas", "greater than or equal to 1"),
+    ],
+)
+def test_bad_config_names_field_and_range(args, field, bound):
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate(args)
+    text = str(e.value)
+    assert field in text and bound in text
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate({"router": {"max_batch": 4}})
+    assert "router.max_batch" in str(e.value)
+
+
+def test_cross_field_check():
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        AppConfig.model_validate({"router": {"max_batch_size": 64}, "compute": {"max_ongoing_requests": 8}})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", 2.5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", -1), ("max_tokens", 0), ("n", 2)],
+)
+def test_out_of_range_sampling_fields_rejected(field, value):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+        )
+
+
+def test_request_defaults_and_aliases():
+    r = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 7, "stop": "x"}
+    )
+    assert r.requested_max_tokens() == 7
+    assert r.stop == ["x"]
+    assert r.temperature == 1.0 and r.top_p == 1.0 and not r.include_usage_in_stream()
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt == "hi"
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": ""})
+
+
+def test_api_error_survives_pickling_with_fields():
+    err = RateLimitError("full", code="queue_full", headers={"Retry-After": "2"})
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is RateLimitError
+    assert back.headers == {"Retry-After": "2"} and back.code == "queue_full"
+    assert back.body() == {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}}
+
+
+class _Wrapped(Exception):
+    """Mimics Ray's RayTaskError, which carries the original exception as `cause`."""
+
+    def __init__(self, cause):
+        super().__init__("wrapped")
+        self.cause = cause
+
+
+def test_error_mapping_unwraps_causes():
+    assert isinstance(to_api_error(_Wrapped(RequestRejected("too long", param="max_tokens"))), InvalidRequestError)
+    assert to_api_error(_Wrapped(RequestRejected("x", param="max_tokens"))).param == "max_tokens"
+    assert isinstance(to_api_error(_Wrapped(EngineDeadError("dead"))), ServiceUnavailableError)
+    assert isinstance(to_api_error(asyncio.TimeoutError()), GatewayTimeoutError)
+    rl = RateLimitError("full")
+    assert to_api_error(_Wrapped(rl)) is rl
+
+
+def test_unexpected_error_hides_details():
+    err = to_api_error(KeyError("secret internal detail"))
+    assert type(err) is APIError and err.status_code == 500
+    assert "secret" not in err.message
+
+
+def test_merge_exposition_groups_families_across_nodes():
+    a = "# HELP x_total X.\n# TYPE x_total counter\nx_total{node=\"a\"} 1.0\n# HELP y Y.\n# TYPE y gauge\ny 2.5\n"
+    b = "# HELP x_total X.\n# TYPE x_total counter\nx_total{node=\"b\"} 3.0\n"
+    merged = merge_exposition([a, b])
+    lines = merged.splitlines()
+    assert lines.count("# TYPE x_total counter") == 1
+    i = lines.index("# TYPE x_total counter")
+    assert lines[i + 1 : i + 3] == ['x_total{node="a"} 1.0', 'x_total{node="b"} 3.0']
+    assert "y 2.5" in lines

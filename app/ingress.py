@@ -105,6 +105,7 @@ class _Call:
         self.first_token_at: Optional[float] = None
         self.num_output_tokens = 0
         self.finish_reason: Optional[str] = None
+        self.trace_id = telemetry.trace_id_hex()
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
@@ -271,7 +272,7 @@ class Ingress:
             call.finish_reason,
             1000 * ((call.first_token_at or end) - call.started),
             1000 * (end - call.started),
-            telemetry.trace_id_hex(),
+            call.trace_id,
         )
 
     # ---- generation -------------------------------------------------------------------

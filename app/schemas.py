@@ -22,7 +22,7 @@ class _Request(BaseModel):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: Optional[Union[str, list[str]]] = None
+    stop: list[str] = Field(default_factory=list)
     seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
@@ -31,13 +31,13 @@ class _Request(BaseModel):
     # vLLM-compatible extension used by benchmarks for fixed output lengths.
     ignore_eos: bool = False
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
     def _stop_strings(cls, value):
         if value is None:
             return []
         stops = [value] if isinstance(value, str) else value
-        if any(not s for s in stops):
+        if isinstance(stops, list) and any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 

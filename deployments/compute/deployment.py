@@ -20,6 +20,7 @@ from deployments.compute.engines import create_engine
 from deployments.compute.engines.protocol import (
     Engine,
     EngineCapabilities,
+    EngineStats,
     GenerationRequest,
     SamplingParams,
     TokenDelta,
@@ -96,6 +97,9 @@ class ComputeWorker:
                 yield delta
             span.set_attribute("llm.output_tokens", num_tokens)
             self._m_tokens.inc(num_tokens)
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
 
     def capabilities(self) -> EngineCapabilities:
         return self._engine.capabilities

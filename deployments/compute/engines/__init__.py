@@ -1,24 +1,39 @@
-"""Engines behind the ComputeWorker, chosen by name and imported lazily so a torch-only
-environment never imports vLLM (and the router never imports torch)."""
+"""Engines behind the ComputeWorker, chosen by name. Each factory imports its engine
+lazily, so a torch-only environment never imports vLLM (and the router never imports torch).
+A factory takes the validated AppConfig and returns an unstarted Engine."""
 
 from __future__ import annotations
 
-import importlib
-
 from deployments.compute.engines.protocol import Engine
 
-# name -> "module:factory"; a factory takes the validated AppConfig and returns an Engine.
-ENGINE_FACTORIES = {
-    "torch": "deployments.compute.engines.torch_engine:from_app_config",
-    "vllm": "deployments.compute.engines.vllm_engine:from_app_config",
-}
+
+def _torch_engine(config) -> Engine:
+    from deployments.compute.engines.torch_engine import TorchEngine
+
+    return TorchEngine(
+        str(config.model.resolved_path()),
+        max_num_seqs=config.engine.max_num_seqs,
+        device=config.engine.device,
+        dtype=config.model.dtype,
+        # Default: as many threads as CPUs Ray reserved for the replica.
+        num_threads=config.engine.num_threads or max(1, int(config.compute.num_cpus)),
+        max_model_len=config.model.max_model_len,
+    )
+
+
+def _vllm_engine(config) -> Engine:
+    from deployments.compute.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_app_config(config)
+
+
+ENGINE_FACTORIES = {"torch": _torch_engine, "vllm": _vllm_engine}
 
 
 def create_engine(config) -> Engine:
-    target = ENGINE_FACTORIES.get(config.engine.name)
-    if target is None:
+    factory = ENGINE_FACTORIES.get(config.engine.name)
+    if factory is None:
         raise ValueError(
             f"unknown engine {config.engine.name!r}; choose one of {sorted(ENGINE_FACTORIES)}"
         )
-    module_name, factory_name = target.split(":")
-    return getattr(importlib.import_module(module_name), factory_name)(config)
+    return factory(config)

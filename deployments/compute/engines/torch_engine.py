@@ -1,0 +1,489 @@
+"""The torch engine: Hugging Face transformers with continuous (iteration-level) batching.
+
+One background thread runs the engine loop, because a forward pass blocks; the asyncio
+side only enqueues commands and reads per-request result queues. Each step:
+
+    admit waiting → prefill the admitted (one left-padded batch) → one decode step for
+    the sequences that were already running (one batched forward) → merge the new
+    sequences' KV into the running batch → emit deltas; finished/aborted rows leave.
+
+KV layout: one HF ``DynamicCache`` for the whole running batch, ``[batch, heads, T, dim]``
+per layer, left-padded, with a ``[batch, T]`` attention mask marking real positions.
+Position ids are each sequence's own token count, so padding never shifts RoPE and a
+sequence decodes the same tokens alone or in any batch (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Union
+
+import torch
+
+from deployments.compute.engines.detokenizer import IncrementalDetokenizer
+from deployments.compute.engines.protocol import (
+    Engine,
+    EngineCapabilities,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    RequestRejected,
+    TokenDelta,
+)
+from deployments.compute.engines.sampling import make_generator, sample
+from deployments.compute.engines.scheduler import Scheduler, Sequence, SequenceTooLong, check_fits
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """Engine-side state of one request; touched only by the loop thread after submit."""
+
+    seq: Sequence
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    generator: Optional[torch.Generator]
+    loop: asyncio.AbstractEventLoop
+    results: asyncio.Queue
+    # Sampled but not yet fed through the model (its K/V are not in the cache yet).
+    pending_token_id: int = -1
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Add:
+    req: _Request
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+_Command = Union[_Add, _Abort, _Stop]
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The running batch's KV cache; row i belongs to ``reqs[i]``."""
+
+    reqs: list[_Request] = field(default_factory=list)
+    cache: Optional[object] = None  # transformers.DynamicCache
+    mask: Optional[torch.Tensor] = None  # [batch, T], 1 = real token
+
+
+class TorchEngine(Engine):
+    capabilities = EngineCapabilities(continuous_batching=True, wants_router_batching=True)
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_num_seqs: int = 32,
+        device: str = "auto",
+        dtype: str = "float32",
+        num_threads: Optional[int] = None,
+        max_model_len: Optional[int] = None,
+    ):
+        from transformers import AutoConfig, AutoTokenizer
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model_path = str(model_path)
+        self.max_num_seqs = max_num_seqs
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.num_threads = num_threads
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        self.model = None
+        self._loop_tokenizer = None
+
+        self._scheduler = Scheduler(max_num_seqs, self.max_model_len)
+        self._batch = _Batch()
+        # Waiting and running requests, by id (loop thread only).
+        self._reqs_by_id: dict[str, _Request] = {}
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Guards "is the loop alive" against submissions, so nothing is enqueued after
+        # the loop's last drain and left hanging.
+        self._lifecycle_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._dead: Optional[BaseException] = None
+        self._active_ids: set[str] = set()
+        self._eos_token_ids: set[int] = set()
+        # Written by the loop thread only; read by stats().
+        self._num_submitted = 0
+        self._num_seen = 0
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._num_cached_tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run_loop, name="torch-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from transformers import AutoTokenizer
+
+        # The loop thread decodes with its own copy: a Rust tokenizer used from two threads
+        # at once can fail with "Already borrowed" while the caller encodes.
+        self._loop_tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self._eos_token_ids = eos_ids
+
+    async def shutdown(self) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._inbox.put(_Stop())
+        await asyncio.to_thread(thread.join)
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._thread is None:
+            raise EngineDeadError("engine not started")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop thread is not running")
+
+    def stats(self) -> EngineStats:
+        num_waiting = self._scheduler.num_waiting + max(0, self._num_submitted - self._num_seen)
+        capacity = self.max_num_seqs * self.max_model_len
+        return EngineStats(
+            num_running=self._scheduler.num_running,
+            num_waiting=num_waiting,
+            kv_usage=min(1.0, self._num_cached_tokens / capacity),
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated_tokens,
+        )
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def _validate(self, request: GenerationRequest) -> None:
+        params = request.sampling
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejected("prompt is empty", param="prompt")
+        if params.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", param="max_tokens")
+        if params.temperature < 0:
+            raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
+        if not 0 < params.top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
+        vocab_size = self.config.vocab_size
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        try:
+            check_fits(num_prompt, params.max_tokens, self.max_model_len)
+        except SequenceTooLong as e:
+            raise RequestRejected(str(e), param="max_tokens" if num_prompt < self.max_model_len else "prompt")
+        if request.request_id in self._active_ids:
+            raise RequestRejected(f"duplicate request_id {request.request_id!r}", param="request_id")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        self._validate(request)
+        params = request.sampling
+        req = _Request(
+            seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
+            request=request,
+            detokenizer=IncrementalDetokenizer(self._decode, params.stop),
+            generator=make_generator(params.seed) if params.temperature > 0 else None,
+            loop=asyncio.get_running_loop(),
+            results=asyncio.Queue(),
+        )
+        with self._lifecycle_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine loop died: {self._dead!r}")
+            if self._thread is None or not self._thread.is_alive():
+                raise EngineDeadError("engine is not running")
+            self._num_submitted += 1
+            self._inbox.put(_Add(req))
+        self._active_ids.add(request.request_id)
+        finished = False
+        try:
+            while True:
+                items = [await req.results.get()]
+                while not req.results.empty():
+                    items.append(req.results.get_nowait())
+                delta = _coalesce(items)  # raises the engine's error, if one came
+                if delta.finish_reason is not None:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        except (EngineError, RequestRejected):
+            finished = True  # the engine already dropped it (or never took it)
+            raise
+        finally:
+            self._active_ids.discard(request.request_id)
+            if not finished:
+                # aclose() or cancellation: free the slot at the next step.
+                self._inbox.put(_Abort(request.request_id))
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run_loop(self) -> None:
+        if self.num_threads is not None:
+            # Set here, not in start(): OpenMP's thread count is per calling thread.
+            torch.set_num_threads(self.num_threads)
+        try:
+            with torch.inference_mode():
+                while True:
+                    if not self._drain_inbox(block=not self._scheduler.has_work()):
+                        break
+                    if self._scheduler.has_work():
+                        self._step()
+            error: BaseException = EngineDeadError("engine shut down")
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the requests
+            logger.exception("torch engine loop failed")
+            error = e
+            self._dead = e
+        with self._lifecycle_lock:
+            if self._dead is None:
+                self._dead = error
+            leftovers = [cmd.req for cmd in self._drain_all() if isinstance(cmd, _Add)]
+        exc = error if isinstance(error, EngineError) else EngineError(f"engine step failed: {error!r}")
+        for req in list(self._reqs_by_id.values()) + leftovers:
+            self._deliver(req, exc)
+        self._scheduler.abort_all()
+        self._reqs_by_id.clear()
+        self._batch = _Batch()
+        self._num_cached_tokens = 0
+
+    def _drain_all(self) -> list[_Command]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        commands = [self._inbox.get()] if block else []
+        commands += self._drain_all()
+        keep_running = True
+        for cmd in commands:
+            if isinstance(cmd, _Stop):
+                # Keep applying the rest, so adds queued behind the stop get failed too.
+                keep_running = False
+            elif isinstance(cmd, _Add):
+                self._num_seen += 1
+                try:
+                    self._scheduler.add(cmd.req.seq)
+                except ValueError as e:
+                    self._deliver(cmd.req, RequestRejected(str(e)))
+                    continue
+                self._reqs_by_id[cmd.req.seq.request_id] = cmd.req
+            elif isinstance(cmd, _Abort):
+                req = self._reqs_by_id.pop(cmd.request_id, None)
+                if req is not None:
+                    req.done = True
+                    self._scheduler.abort(cmd.request_id)
+        self._drop_done_rows()
+        return keep_running
+
+    def _step(self) -> None:
+        out = self._scheduler.schedule()
+        new_reqs = [self._reqs_by_id[s.request_id] for s in out.prefill]
+        old_reqs = list(self._batch.reqs)
+        # Every running sequence gets exactly one token per step: the new ones from their
+        # prefill, the others from one batched decode.
+        new_part = self._prefill(new_reqs) if new_reqs else None
+        if old_reqs:
+            self._decode_step()
+        if new_part is not None:
+            self._merge(new_part)
+        self._num_steps += 1
+        for req in new_reqs + old_reqs:
+            self._postprocess(req)
+        self._drop_done_rows()
+
+    def _prefill(self, reqs: list[_Request]) -> _Batch:
+        from transformers import DynamicCache
+
+        lengths = [len(r.seq.prompt_token_ids) for r in reqs]
+        width = max(lengths)
+        pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        input_ids = torch.full((len(reqs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            input_ids[i, width - lengths[i] :] = torch.tensor(r.seq.prompt_token_ids)
+            mask[i, width - lengths[i] :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self._sample_into(reqs, logits)
+        return _Batch(reqs=list(reqs), cache=cache, mask=mask.to(self.device))
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        input_ids = torch.tensor([[r.pending_token_id] for r in batch.reqs], device=self.device)
+        # Position of the fed token = tokens of this sequence already in the cache.
+        positions = torch.tensor([[r.seq.num_tokens - 1] for r in batch.reqs], device=self.device)
+        mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.reqs), 1))], dim=1)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+        ).logits[:, -1]
+        batch.mask = mask
+        self._sample_into(batch.reqs, logits)
+
+    def _sample_into(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        logits = logits.float().cpu()
+        params = [r.request.sampling for r in reqs]
+        token_ids = sample(
+            logits, [p.temperature for p in params], [p.top_p for p in params], [r.generator for r in reqs]
+        )
+        for r, token_id in zip(reqs, token_ids):
+            r.pending_token_id = token_id
+            self._scheduler.append_token(r.seq, token_id)
+        self._num_generated_tokens += len(reqs)
+
+    def _merge(self, part: _Batch) -> None:
+        """Append ``part``'s rows to the running batch, left-padding the shorter side."""
+        batch = self._batch
+        if not batch.reqs:
+            self._batch = part
+            self._update_cached_tokens()
+            return
+        width = max(batch.mask.shape[1], part.mask.shape[1])
+        for dst, src in zip(batch.cache.layers, part.cache.layers):
+            dst.keys = torch.cat([_left_pad(dst.keys, width, -2), _left_pad(src.keys, width, -2)], dim=0)
+            dst.values = torch.cat([_left_pad(dst.values, width, -2), _left_pad(src.values, width, -2)], dim=0)
+        batch.mask = torch.cat([_left_pad(batch.mask, width, -1), _left_pad(part.mask, width, -1)], dim=0)
+        batch.reqs.extend(part.reqs)
+        self._update_cached_tokens()
+
+    def _drop_done_rows(self) -> None:
+        """Remove finished/aborted rows and the padding columns no remaining row needs."""
+        batch = self._batch
+        keep = [i for i, r in enumerate(batch.reqs) if not r.done]
+        if len(keep) == len(batch.reqs):
+            return
+        if not keep:
+            self._batch = _Batch()
+            self._update_cached_tokens()
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = batch.mask.index_select(0, index)
+        first = int(mask.any(dim=0).nonzero()[0].item())
+        batch.mask = mask[:, first:]
+        for layer in batch.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        batch.reqs = [batch.reqs[i] for i in keep]
+        self._update_cached_tokens()
+
+    def _update_cached_tokens(self) -> None:
+        mask = self._batch.mask
+        self._num_cached_tokens = 0 if mask is None else int(mask.sum().item())
+
+    def _postprocess(self, req: _Request) -> None:
+        if req.done:  # aborted while its token was being computed
+            return
+        seq, params = req.seq, req.request.sampling
+        token_id = seq.output_token_ids[-1]
+        finish = None
+        if not params.ignore_eos and token_id in self._eos_token_ids:
+            text, finish = req.detokenizer.flush(), "stop"
+        else:
+            out = req.detokenizer.add_tokens([token_id])
+            text = out.text
+            if out.stop is not None:
+                finish = "stop"
+            elif len(seq.output_token_ids) >= seq.max_tokens:
+                text += req.detokenizer.flush()
+                finish = "length"
+        delta = TokenDelta(
+            text=text,
+            token_ids=[token_id],
+            finish_reason=finish,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
+        )
+        if finish is not None:
+            req.done = True
+            self._scheduler.finish(seq)
+            self._reqs_by_id.pop(seq.request_id, None)
+        if not self._deliver(req, delta) and not req.done:
+            # Its event loop is gone: nobody will read the rest.
+            req.done = True
+            self._scheduler.abort(seq.request_id)
+            self._reqs_by_id.pop(seq.request_id, None)
+
+    def _deliver(self, req: Optional[_Request], item: Union[TokenDelta, BaseException]) -> bool:
+        if req is None:
+            return False
+        try:
+            req.loop.call_soon_threadsafe(req.results.put_nowait, item)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _coalesce(items: list[Union[TokenDelta, BaseException]]) -> TokenDelta:
+    """Merge deltas that piled up while the consumer was busy into one."""
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+    if len(items) == 1:
+        return items[0]
+    last = items[-1]
+    return TokenDelta(
+        text="".join(d.text for d in items),
+        token_ids=[t for d in items for t in d.token_ids],
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+    )

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks for the OpenAI-compatible API (see loadtests/README.md)."""

@@ -1,0 +1,187 @@
+"""Side-by-side measurements for the serving path, in one run on one machine.
+
+    python -m loadtests.compare_serving [--preset small] [--rounds 2] [--out FILE.json]
+
+It starts a local Ray, and in each round (configurations alternate, so drift on a shared
+machine hits all of them alike):
+
+* deploys the app with batching on (router ``max_batch_size`` 8, engine ``max_num_seqs``
+  32) and measures concurrency 32 and concurrency 1;
+* redeploys with router batching off (``max_batch_size`` 1; the engine still batches
+  continuously) and measures concurrency 32;
+* redeploys with batching off everywhere (router 1, engine ``max_num_seqs`` 1) and measures
+  concurrency 32;
+* shuts Serve down and calls the same engine class in-process at concurrency 1 (the
+  serving overhead's baseline).
+
+It prints and stores the ratios: output tokens/s at concurrency 32 with batching on versus
+off, and p50 end-to-end latency at concurrency 1 through the service versus in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from loadtests.benchmark import RequestRecord, compare, format_table, run_level, summarize
+
+CONFIGS = {
+    "batched": {"router": {"max_batch_size": 8}, "engine": {"max_num_seqs": 32}},
+    "router_unbatched": {"router": {"max_batch_size": 1}, "engine": {"max_num_seqs": 32}},
+    "unbatched": {"router": {"max_batch_size": 1}, "engine": {"max_num_seqs": 1}},
+}
+
+
+def _say(msg: str) -> None:
+    print(f"[compare] {msg}", file=sys.stderr, flush=True)
+
+
+def app_args(model_path: Path, num_threads: int, overrides: dict) -> dict:
+    return {
+        "model": {"id": "bench", "path": str(model_path)},
+        "engine": {"name": "torch", "num_threads": num_threads, **overrides.get("engine", {})},
+        "compute": {"num_replicas": 1, "num_cpus": 1},
+        "router": {"batch_wait_timeout_ms": 5, "max_queue_depth": 1024, **overrides.get("router", {})},
+        "limits": {"default_max_tokens": 64},
+    }
+
+
+def wait_ready(base_url: str, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
+
+
+async def direct_engine_level(model_path: Path, num_threads: int, args) -> dict:
+    """Concurrency 1 against the engine class in this process: no HTTP, no Serve."""
+    from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+    from deployments.compute.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(str(model_path), max_num_seqs=32, num_threads=num_threads)
+    await engine.start()
+    rng = random.Random(args.seed + 1000)
+    records = []
+
+    async def one(i: int, measured: bool):
+        prompt = [rng.randrange(10, args.vocab_size) for _ in range(args.input_len)]
+        req = GenerationRequest(
+            f"direct-{i}",
+            prompt,
+            SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True),
+        )
+        rec = RequestRecord(ok=True, start=time.perf_counter())
+        async for delta in engine.generate(req):
+            now = time.perf_counter()
+            if delta.text or delta.token_ids:
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                rec.chunk_times.append(now)
+            rec.output_tokens = delta.num_output_tokens
+        rec.prompt_tokens = len(prompt)
+        rec.end = time.perf_counter()
+        if measured:
+            records.append(rec)
+
+    for i in range(2):
+        await one(-i - 1, measured=False)
+    started = time.perf_counter()
+    for i in range(args.num_prompts_c1):
+        await one(i, measured=True)
+    duration = time.perf_counter() - started
+    await engine.shutdown()
+    return {"label": "direct_engine", "concurrency": 1, **summarize(records, duration)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.compare_serving")
+    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--model-dir", default=None, help="default: models/<preset>")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts-c32", type=int, default=96)
+    p.add_argument("--num-prompts-c1", type=int, default=12)
+    p.add_argument("--num-threads", type=int, default=2, help="torch threads of the engine")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtests/results/compare_serving.json")
+    args = p.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+    from app.model_builder import ensure_model
+
+    model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
+    args.vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    base_url = f"http://127.0.0.1:{args.port}"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    results: dict[str, list[dict]] = {}
+
+    async def level(label: str, concurrency: int, num_prompts: int) -> None:
+        _say(f"{label}: concurrency {concurrency}, {num_prompts} requests")
+        r = await run_level(
+            base_url, "bench", concurrency, num_prompts, input_len=args.input_len,
+            output_len=args.output_len, vocab_size=args.vocab_size, warmup=min(concurrency, 8),
+            seed=args.seed, label=label, progress=False,
+        )
+        results.setdefault(f"{label}@c{concurrency}", []).append(r)
+
+    for rnd in range(args.rounds):
+        for name, overrides in CONFIGS.items():
+            _say(f"round {rnd + 1}/{args.rounds}: deploying '{name}'")
+            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+            serve.run(build_app(app_args(model_path, args.num_threads, overrides)), name="bench", route_prefix="/", blocking=False)
+            wait_ready(base_url)
+            asyncio.run(level(name, 32, args.num_prompts_c32))
+            if name == "batched":
+                asyncio.run(level(name, 1, args.num_prompts_c1))
+            serve.shutdown()
+        _say(f"round {rnd + 1}/{args.rounds}: direct in-process engine")
+        results.setdefault("direct_engine@c1", []).append(
+            asyncio.run(direct_engine_level(model_path, args.num_threads, args))
+        )
+    ray.shutdown()
+
+    def median_of(key: str, stat: str) -> float:
+        return statistics.median(r[stat] for r in results[key])
+
+    ratios = {
+        "output_tput_c32_batched_over_unbatched": median_of("batched@c32", "output_throughput")
+        / median_of("unbatched@c32", "output_throughput"),
+        "output_tput_c32_batched_over_router_unbatched": median_of("batched@c32", "output_throughput")
+        / median_of("router_unbatched@c32", "output_throughput"),
+        "p50_e2e_c1_service_over_direct": median_of("batched@c1", "p50_e2el_ms")
+        / median_of("direct_engine@c1", "p50_e2el_ms"),
+        "p50_ttft_c1_service_over_direct": median_of("batched@c1", "p50_ttft_ms")
+        / median_of("direct_engine@c1", "p50_ttft_ms"),
+        "service_minus_direct_p50_e2e_ms": median_of("batched@c1", "p50_e2el_ms")
+        - median_of("direct_engine@c1", "p50_e2el_ms"),
+    }
+    print(format_table([r for runs in results.values() for r in runs]))
+    print(json.dumps(ratios, indent=2))
+    print(json.dumps(compare(results["unbatched@c32"][0], results["batched@c32"][0]), indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
+    _say(f"stored {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

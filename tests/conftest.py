@@ -1,0 +1,1 @@
+pytest_plugins = ["tests.fixtures.models", "tests.fixtures.serve_app"]

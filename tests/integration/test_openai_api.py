@@ -1,0 +1,304 @@
+"""The OpenAI API through a real Serve application (Ingress → Router → ComputeWorker) on a
+local Ray, with the offline tiny model, driven by the official `openai` client and raw HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH
+
+pytestmark = pytest.mark.integration
+
+CHAT = [{"role": "user", "content": "Tell me a story about a quiet river."}]
+
+
+def chat_text(client, model, **kw) -> tuple[str, object]:
+    r = client.chat.completions.create(model=model, messages=CHAT, **kw)
+    return r.choices[0].message.content, r
+
+
+def stream_chat_text(client, model, **kw) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_health_ready_models(served_app):
+    base = served_app.base_url
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    ready = httpx.get(base + "/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    models = served_app.client().models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+
+
+def test_chat_non_streamed_shape_and_usage(served_app):
+    client = served_app.client()
+    text, r = chat_text(client, served_app.model_id, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert text
+
+
+def test_streamed_text_equals_non_streamed_at_temperature_zero(served_app):
+    client = served_app.client()
+    full, r = chat_text(client, served_app.model_id, max_tokens=24, temperature=0)
+    streamed, chunks = stream_chat_text(
+        client, served_app.model_id, max_tokens=24, temperature=0, stream_options={"include_usage": True}
+    )
+    assert streamed == full
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == r.choices[0].finish_reason
+    # include_usage: a last chunk with no choices and the usage.
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_streamed_and_not(served_app):
+    client = served_app.client()
+    r = client.completions.create(model=served_app.model_id, prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=served_app.model_id, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == r.choices[0].text
+
+
+def test_greedy_through_service_equals_direct_transformers_generate(served_app):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served_app.model_path)
+    model = AutoModelForCausalLM.from_pretrained(served_app.model_path, dtype=torch.float32)
+    prompt_ids = tok.encode("The old lighthouse keeper said")
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+        )
+    expected = tok.decode(out[0, len(prompt_ids):].tolist())
+    r = served_app.client().completions.create(
+        model=served_app.model_id, prompt=prompt_ids, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 20
+    assert r.choices[0].text == expected
+
+
+def test_seed_makes_sampling_reproducible(served_app):
+    client = served_app.client()
+    a, _ = chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=1234)
+    b, _ = chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=1234)
+    others = {chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=s)[0] for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1  # different seeds do sample differently
+
+
+def test_stop_string_truncates_and_finishes_with_stop(served_app):
+    client = served_app.client()
+    full, _ = chat_text(client, served_app.model_id, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert len(full) > 6
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
+    text, r = chat_text(client, served_app.model_id, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert text == cut and r.choices[0].finish_reason == "stop"
+    streamed, _ = stream_chat_text(client, served_app.model_id, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert streamed == cut
+
+
+def test_32_concurrent_requests_succeed_and_greedy_is_batch_invariant(served_app):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served_app.base_url + "/v1", api_key="x", max_retries=0)
+        prompts = [f"Request number {i % 4} asks about the weather" for i in range(32)]
+        results = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=served_app.model_id, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for p in prompts
+            )
+        )
+        await client.close()
+        return prompts, results
+
+    prompts, results = asyncio.run(main())
+    by_prompt: dict[str, set[str]] = {}
+    for p, r in zip(prompts, results):
+        assert r.usage.completion_tokens == 16
+        by_prompt.setdefault(p, set()).add(r.choices[0].text)
+    # 8 identical requests per prompt landed in different batches: one text each.
+    assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
+    assert len(by_prompt) == 4
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def post(served_app, path, body=None, content=None, headers=None):
+    return httpx.post(served_app.base_url + path, json=body, content=content, headers=headers, timeout=60)
+
+
+def assert_openai_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def chat_body(served_app, **kw):
+    return {"model": served_app.model_id, "messages": CHAT, "max_tokens": 4, **kw}
+
+
+def test_malformed_json_is_400(served_app):
+    r = post(served_app, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+@pytest.mark.parametrize(
+    "override, param",
+    [
+        ({"messages": None}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.2}, "top_p"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"n": 2}, None),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
+    body = chat_body(served_app, **override)
+    body = {k: v for k, v in body.items() if v is not None}
+    err = assert_openai_error(post(served_app, "/v1/chat/completions", body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_missing_model_field_is_400(served_app):
+    r = post(served_app, "/v1/completions", {"prompt": "hi"})
+    assert_openai_error(r, 400, "model")
+
+
+def test_unknown_model_is_404(served_app):
+    r = post(served_app, "/v1/chat/completions", chat_body(served_app, model="gpt-17"))
+    err = assert_openai_error(r, 404, "model")
+    assert err["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        served_app.client().chat.completions.create(model="gpt-17", messages=CHAT)
+
+
+def test_context_overflow_is_400_with_both_numbers(served_app):
+    max_len = served_app.client().models.list().data[0].model_extra["max_model_len"]
+    r = post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": [11] * 100, "max_tokens": max_len})
+    err = assert_openai_error(r, 400, "max_tokens")
+    assert str(max_len) in err["message"] and str(max_len + 100) in err["message"]
+    # Also for a stream: the status is the error's, not 200.
+    r = post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": [11] * 100, "max_tokens": max_len, "stream": True})
+    assert_openai_error(r, 400)
+
+
+def test_body_over_limit_is_413(served_app):
+    big = "word " * 20000  # > 64 KiB limit of the test app
+    r = post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": big})
+    assert_openai_error(r, 413)
+
+
+def test_unknown_route_is_openai_404(served_app):
+    r = httpx.get(served_app.base_url + "/v1/nothing-here")
+    assert_openai_error(r, 404)
+
+
+def test_queue_full_gets_429_with_retry_after(served_app):
+    n = TEST_MAX_QUEUE_DEPTH + 24
+
+    async def one(client):
+        return await client.post(
+            "/v1/completions",
+            json={"model": served_app.model_id, "prompt": [12] * 8, "max_tokens": 64, "extra": 1, "ignore_eos": True},
+        )
+
+    async def main():
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(base_url=served_app.base_url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client) for _ in range(n)))
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    rejected = [r for r in responses if r.status_code == 429]
+    assert rejected, "no request was rejected although more than the queue depth were sent"
+    assert codes.count(200) >= TEST_MAX_QUEUE_DEPTH // 2
+    for r in rejected:
+        assert int(r.headers["retry-after"]) >= 1
+        assert_openai_error(r, 429)
+
+
+def worker_stats():
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    return handle.stats.remote().result(timeout_s=30)
+
+
+def test_dropped_stream_aborts_generation_and_service_stays_healthy(served_app):
+    max_len = served_app.client().models.list().data[0].model_extra["max_model_len"]
+    max_tokens = max_len - 8
+    before = worker_stats().num_generated_tokens
+    body = {"model": served_app.model_id, "prompt": [13] * 8, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=served_app.base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: ") for line in got)
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and worker_stats().num_running != 0:
+        time.sleep(0.2)
+    stats = worker_stats()
+    assert stats.num_running == 0
+    # Not aborted, the request would have generated max_tokens tokens before leaving.
+    assert stats.num_generated_tokens - before < max_tokens // 2, (before, stats.num_generated_tokens)
+    text, _ = chat_text(served_app.client(), served_app.model_id, max_tokens=4, temperature=0)
+    assert text is not None
+    assert httpx.get(served_app.base_url + "/ready").status_code == 200
+
+
+def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app):
+    served_app.client().completions.create(model=served_app.model_id, prompt="metrics", max_tokens=4)
+    wanted = [
+        "ray_llm_requests_total",
+        "ray_llm_ttft_seconds_bucket",
+        "ray_llm_tpot_seconds_bucket",
+        "ray_llm_e2e_latency_seconds_bucket",
+        "ray_llm_router_queue_depth",
+        "ray_llm_router_batch_size_bucket",
+    ]
+    deadline = time.monotonic() + 30
+    missing = wanted
+    while time.monotonic() < deadline and missing:
+        text = httpx.get(served_app.base_url + "/metrics", timeout=30).text
+        missing = [m for m in wanted if m not in text]
+        time.sleep(1)
+    assert not missing, missing
+    assert 'status="200"' in text

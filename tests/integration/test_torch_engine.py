@@ -1,0 +1,270 @@
+"""The torch engine end to end on the tiny checkpoint: exactness against HF generate,
+continuous batching, seeds, cancellation, limits and failure."""
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from deployments.compute.engines.protocol import (
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+    RequestRejected,
+    SamplingParams,
+)
+from deployments.compute.engines.torch_engine import TorchEngine
+
+PROMPTS = [
+    "the",
+    "hello world and the cache went to the river",
+    "Server memory cluster worker router latency is important to the people of the city",
+    "café 🙂 naïve",
+    "one two three four five six seven",
+    "A much longer prompt: " + "the model reads many words before it answers " * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+@pytest_asyncio.fixture
+async def engine(tiny_model_path):
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=4, num_threads=2)
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def make_request(request_id, prompt_ids, **sampling) -> GenerationRequest:
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 16)
+    return GenerationRequest(request_id, list(prompt_ids), SamplingParams(**sampling))
+
+
+async def collect(engine, request):
+    deltas = [d async for d in engine.generate(request)]
+    return deltas, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+
+def hf_greedy(hf_model, prompt_ids, max_new_tokens):
+    input_ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def encode(engine, text):
+    return engine.tokenizer(text)["input_ids"]
+
+
+async def wait_until(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.asyncio
+async def test_greedy_single_matches_hf_generate(engine, hf_model):
+    ids = encode(engine, PROMPTS[1])
+    deltas, tokens, text = await collect(engine, make_request("one", ids, max_tokens=24))
+    assert tokens == hf_greedy(hf_model, ids, 24)
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert deltas[-1].finish_reason in ("stop", "length")
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert deltas[-1].num_prompt_tokens == len(ids) and deltas[-1].num_output_tokens == len(tokens)
+
+
+@pytest.mark.asyncio
+async def test_greedy_concurrent_batch_matches_hf_generate(engine, hf_model):
+    """Six prompts of different lengths on a 4-slot engine with different max_tokens: some
+    wait, join the running batch between steps and leave early, all stay exact."""
+    prompt_ids = [encode(engine, p) for p in PROMPTS]
+    max_tokens = [20, 8, 30, 12, 25, 16]
+    requests = [make_request(f"c{i}", ids, max_tokens=n) for i, (ids, n) in enumerate(zip(prompt_ids, max_tokens))]
+    seen_running = []
+
+    async def watch():
+        while True:
+            seen_running.append(engine.stats().num_running)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    results = await asyncio.gather(*(collect(engine, r) for r in requests))
+    watcher.cancel()
+    for ids, n, (_, tokens, _) in zip(prompt_ids, max_tokens, results):
+        assert tokens == hf_greedy(hf_model, ids, n)
+    assert max(seen_running) <= 4
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_same_alone_and_in_batch(engine):
+    ids = encode(engine, PROMPTS[2])
+    seeded = dict(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    _, alone, _ = await collect(engine, make_request("alone", ids, **seeded))
+    others = [
+        make_request(f"n{i}", encode(engine, p), temperature=0.8, max_tokens=20, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    results = await asyncio.gather(
+        *(collect(engine, r) for r in others[:2]),
+        collect(engine, make_request("batched", ids, **seeded)),
+        collect(engine, others[2]),
+    )
+    assert results[2][1] == alone
+    _, other_seed, _ = await collect(engine, make_request("other", ids, **{**seeded, "seed": 99}))
+    assert other_seed != alone
+
+
+@pytest.mark.asyncio
+async def test_max_tokens_gives_length_with_exact_count(engine):
+    ids = encode(engine, PROMPTS[0])
+    deltas, tokens, _ = await collect(engine, make_request("len", ids, max_tokens=7, ignore_eos=True))
+    assert len(tokens) == 7
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 7
+
+
+@pytest.mark.asyncio
+async def test_eos_finishes_with_stop(engine):
+    ids = encode(engine, PROMPTS[1])
+    _, greedy, _ = await collect(engine, make_request("ref", ids, max_tokens=6, ignore_eos=True))
+    # Pretend the third greedy token is EOS: the stream must end right there.
+    engine._eos_token_ids = engine._eos_token_ids | {greedy[2]}
+    first = greedy.index(greedy[2])
+    deltas, tokens, _ = await collect(engine, make_request("eos", ids, max_tokens=6))
+    assert tokens == greedy[: first + 1]
+    assert deltas[-1].finish_reason == "stop"
+    _, ignored, _ = await collect(engine, make_request("ign", ids, max_tokens=6, ignore_eos=True))
+    assert ignored == greedy
+
+
+@pytest.mark.asyncio
+async def test_stop_string_truncates_output(engine):
+    ids = encode(engine, PROMPTS[4])
+    _, _, full = await collect(engine, make_request("full", ids, max_tokens=30, ignore_eos=True))
+    stop = full[10:13]
+    assert len(stop) == 3
+    expected = full[: full.index(stop)]
+    deltas, _, text = await collect(engine, make_request("stop", ids, max_tokens=30, ignore_eos=True, stop=[stop]))
+    assert text == expected
+    assert deltas[-1].finish_reason == "stop"
+    assert all(stop not in d.text for d in deltas)
+
+
+@pytest.mark.asyncio
+async def test_too_long_prompt_is_rejected_before_any_delta(engine):
+    ids = encode(engine, PROMPTS[0]) * 700  # ~1400 tokens of a 2048 context
+    request = make_request("long", ids, max_tokens=1000)
+    stream = engine.generate(request)
+    with pytest.raises(RequestRejected) as exc:
+        await stream.__anext__()
+    message = str(exc.value)
+    assert str(len(ids)) in message and "1000" in message and str(engine.max_model_len) in message
+    assert engine.stats().num_waiting == 0 and engine.stats().num_running == 0
+
+
+@pytest.mark.asyncio
+async def test_closing_the_stream_frees_the_slot(engine):
+    ids = encode(engine, PROMPTS[1])
+    stream = engine.generate(make_request("cancel", ids, max_tokens=1500, ignore_eos=True))
+    first = await stream.__anext__()
+    assert first.finish_reason is None
+    assert engine.stats().num_running == 1
+    await stream.aclose()
+    assert await wait_until(lambda: engine.stats().num_running == 0, timeout_s=2.0)
+    generated = engine.stats().num_generated_tokens
+    await asyncio.sleep(0.1)
+    assert engine.stats().num_generated_tokens == generated  # nothing runs any more
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_consumer_task_frees_the_slot(engine):
+    ids = encode(engine, PROMPTS[2])
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate(make_request("task", ids, max_tokens=1500, ignore_eos=True)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await wait_until(lambda: engine.stats().num_running == 0, timeout_s=2.0)
+    # The engine still serves.
+    _, tokens, _ = await collect(engine, make_request("after", ids, max_tokens=3, ignore_eos=True))
+    assert len(tokens) == 3
+
+
+@pytest.mark.asyncio
+async def test_slow_consumer_gets_coalesced_deltas(engine):
+    ids = encode(engine, PROMPTS[1])
+    _, expected, expected_text = await collect(engine, make_request("fast", ids, max_tokens=40, ignore_eos=True))
+    deltas = []
+    async for delta in engine.generate(make_request("slow", ids, max_tokens=40, ignore_eos=True)):
+        deltas.append(delta)
+        await asyncio.sleep(0.05)
+    assert len(deltas) < 40
+    assert [t for d in deltas for t in d.token_ids] == expected
+    assert "".join(d.text for d in deltas) == expected_text
+    assert deltas[-1].num_output_tokens == 40
+
+
+@pytest.mark.asyncio
+async def test_loop_failure_fails_requests_and_health(engine):
+    await engine.check_health()
+    assert engine.capabilities.continuous_batching
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    engine.model.forward = broken_forward
+    with pytest.raises(EngineError, match="simulated kernel failure"):
+        await collect(engine, make_request("boom", encode(engine, PROMPTS[0])))
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await collect(engine, make_request("after", encode(engine, PROMPTS[0])))
+
+
+@pytest.mark.asyncio
+async def test_bad_parameters_are_rejected(engine):
+    ids = encode(engine, PROMPTS[0])
+    for bad, param in [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+    ]:
+        with pytest.raises(RequestRejected) as exc:
+            await collect(engine, make_request("bad", ids, **bad))
+        assert exc.value.param == param
+    with pytest.raises(RequestRejected):
+        await collect(engine, make_request("empty", []))
+
+
+@pytest.mark.asyncio
+async def test_shutdown_ends_in_flight_requests_with_an_error(engine):
+    stream = engine.generate(make_request("inflight", encode(engine, PROMPTS[1]), max_tokens=1500, ignore_eos=True))
+    await stream.__anext__()
+    await engine.shutdown()
+    with pytest.raises(EngineError):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()

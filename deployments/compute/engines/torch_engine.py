@@ -11,6 +11,16 @@ KV layout: one HF ``DynamicCache`` for the whole running batch, ``[batch, heads,
 per layer, left-padded, with a ``[batch, T]`` attention mask marking real positions.
 Position ids are each sequence's own token count, so padding never shifts RoPE and a
 sequence decodes the same tokens alone or in any batch (up to float rounding).
+
+KV reuse (optional ``kv_connector``): before a request is handed to the loop thread,
+``generate()`` looks up the chained block hashes of its prompt (all but the last token, so
+at least one token is prefilled and yields logits), fetches the leading blocks the store
+holds (unless :func:`should_fetch` says recomputing is faster) and decodes them. The loop
+thread prefills such a request alone (batch of 1) on a cache pre-filled with the imported
+K/V, feeding only the remaining prompt tokens at positions ``P..``; its row then merges
+into the running batch like any other. When a request finishes (stop/length), the full
+blocks of its processed tokens that were not imported are copied out of the cache and
+encoded and saved on the asyncio side. Any KV-store failure is a miss, never a failed request.
 """
 
 from __future__ import annotations
@@ -19,12 +29,20 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 import torch
 
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
+from deployments.compute.engines.kv import Ewma, KVConnector, PrefixHit, block_hashes, should_fetch
+from deployments.compute.engines.kv_codec import (
+    CorruptBlockError,
+    block_shape,
+    decode_kv_blocks,
+    encode_kv_blocks,
+)
 from deployments.compute.engines.protocol import (
     Engine,
     EngineCapabilities,
@@ -41,6 +59,29 @@ from deployments.compute.engines.scheduler import Scheduler, Sequence, SequenceT
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decode fetched blocks in a worker thread above this size, not on the event loop.
+_DECODE_INLINE_MAX_BYTES = 256 * 1024
+
+
+@dataclass(slots=True)
+class KVStats:
+    """KV-reuse counters of one engine (cumulative since construction)."""
+
+    # Requests whose prompt had at least one full block to look up.
+    lookups: int = 0
+    # Prompt tokens whose K/V came from the store instead of a prefill.
+    prefix_hit_tokens: int = 0
+    blocks_imported: int = 0
+    # Prompt tokens computed by prefill (every request, with or without a prefix hit).
+    prefilled_tokens: int = 0
+    # A hit that was not fetched because recomputing was measured to be faster.
+    fetch_skipped: int = 0
+    # Lookup/load raised, load returned None, or a block failed to decode.
+    fetch_failures: int = 0
+    blocks_exported: int = 0
+    export_failures: int = 0
+    # EWMA of prefill speed (computed prompt tokens per second); None until measured.
+    prefill_tokens_per_s: Optional[float] = None
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +97,11 @@ class _Request:
     # Sampled but not yet fed through the model (its K/V are not in the cache yet).
     pending_token_id: int = -1
     done: bool = False
+    # Imported K/V of the first P prompt tokens, [layers, 2, kv_heads, P, head_dim] on CPU;
+    # dropped once prefilled.
+    prefix: Optional[torch.Tensor] = None
+    # P, once prefilled with a prefix (its blocks are not exported again).
+    num_imported_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -86,7 +132,9 @@ class _Batch:
 
 
 class TorchEngine(Engine):
-    capabilities = EngineCapabilities(continuous_batching=True, wants_router_batching=True)
+    capabilities = EngineCapabilities(
+        continuous_batching=True, wants_router_batching=True, supports_kv_export=True
+    )
 
     def __init__(
         self,
@@ -97,11 +145,21 @@ class TorchEngine(Engine):
         dtype: str = "float32",
         num_threads: Optional[int] = None,
         max_model_len: Optional[int] = None,
+        kv_connector: Optional[KVConnector] = None,
+        model_id: str = "model",
+        block_size: int = 16,
     ):
         from transformers import AutoConfig, AutoTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        connector_block_size = getattr(kv_connector, "block_size", None)
+        if connector_block_size is not None and connector_block_size != block_size:
+            raise ValueError(
+                f"kv_connector.block_size is {connector_block_size}, the engine's block_size is {block_size}"
+            )
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model_path = str(model_path)
@@ -134,6 +192,22 @@ class TorchEngine(Engine):
         self._num_generated_tokens = 0
         self._num_cached_tokens = 0
 
+        # KV reuse. The block hashes cover model_id and tenant, not the dtype: give engines
+        # of different dtypes different model_ids (a mismatch is only ever a miss).
+        self._kv = kv_connector
+        self.model_id = model_id
+        self.block_size = block_size
+        self._kv_block_shape = block_shape(self.config, block_size)
+        self._kv_stats = KVStats()
+        # Prefill speed = EWMA(tokens) / EWMA(seconds): a ratio of averages, so long
+        # prefills (what recomputing a cached prefix costs) weigh more than short ones.
+        self._prefill_tokens_avg = Ewma()
+        self._prefill_seconds_avg = Ewma()
+        self._export_tasks: set[asyncio.Task] = set()
+        # Debug/test hook, called on the loop thread after every forward with
+        # (request_ids, logits [batch, vocab] float32 CPU, "prefill" | "decode").
+        self.logits_hook: Optional[Callable[[list[str], torch.Tensor, str], None]] = None
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -161,10 +235,10 @@ class TorchEngine(Engine):
 
     async def shutdown(self) -> None:
         thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        self._inbox.put(_Stop())
-        await asyncio.to_thread(thread.join)
+        if thread is not None and thread.is_alive():
+            self._inbox.put(_Stop())
+            await asyncio.to_thread(thread.join)
+        await self.wait_for_kv_exports()
 
     async def check_health(self) -> None:
         if self._dead is not None:
@@ -184,6 +258,33 @@ class TorchEngine(Engine):
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated_tokens,
         )
+
+    def prefill_tokens_per_s(self) -> Optional[float]:
+        """Measured prefill speed (EWMA of computed prompt tokens per second), None until
+        a prefill of at least one block has run."""
+        tokens, seconds = self._prefill_tokens_avg.value, self._prefill_seconds_avg.value
+        return None if not tokens or not seconds else tokens / seconds
+
+    def kv_stats(self) -> KVStats:
+        """Snapshot of the KV-reuse counters."""
+        s = self._kv_stats
+        return KVStats(
+            lookups=s.lookups,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            blocks_imported=s.blocks_imported,
+            prefilled_tokens=s.prefilled_tokens,
+            fetch_skipped=s.fetch_skipped,
+            fetch_failures=s.fetch_failures,
+            blocks_exported=s.blocks_exported,
+            export_failures=s.export_failures,
+            prefill_tokens_per_s=self.prefill_tokens_per_s(),
+        )
+
+    async def wait_for_kv_exports(self) -> None:
+        """Wait until every export scheduled so far has been handed to ``connector.save``
+        (exports run in the background after a request's last delta)."""
+        while self._export_tasks:
+            await asyncio.gather(*list(self._export_tasks), return_exceptions=True)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -222,16 +323,18 @@ class TorchEngine(Engine):
             loop=asyncio.get_running_loop(),
             results=asyncio.Queue(),
         )
-        with self._lifecycle_lock:
-            if self._dead is not None:
-                raise EngineDeadError(f"engine loop died: {self._dead!r}")
-            if self._thread is None or not self._thread.is_alive():
-                raise EngineDeadError("engine is not running")
-            self._num_submitted += 1
-            self._inbox.put(_Add(req))
+        self._check_alive()
+        # Claimed before the (awaiting) prefix fetch, so a duplicate id is still refused.
         self._active_ids.add(request.request_id)
-        finished = False
+        submitted = finished = False
         try:
+            if self._kv is not None:
+                req.prefix = await self._fetch_prefix(request)
+            with self._lifecycle_lock:
+                self._check_alive()
+                self._num_submitted += 1
+                self._inbox.put(_Add(req))
+                submitted = True
             while True:
                 items = [await req.results.get()]
                 while not req.results.empty():
@@ -247,9 +350,88 @@ class TorchEngine(Engine):
             raise
         finally:
             self._active_ids.discard(request.request_id)
-            if not finished:
+            if submitted and not finished:
                 # aclose() or cancellation: free the slot at the next step.
                 self._inbox.put(_Abort(request.request_id))
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("engine is not running")
+
+    async def _fetch_prefix(self, request: GenerationRequest) -> Optional[torch.Tensor]:
+        """The stored K/V of the longest cached prefix of the prompt, as one
+        ``[layers, 2, kv_heads, P, head_dim]`` CPU tensor, or None (miss, skipped, failed)."""
+        kv, stats, tenant = self._kv, self._kv_stats, request.tenant
+        # Not the last prompt token: at least one must be prefilled to get its logits.
+        hashes = block_hashes(self.model_id, tenant, request.prompt_token_ids[:-1], self.block_size)
+        if not hashes:
+            return None
+        stats.lookups += 1
+        try:
+            hit = await kv.lookup(tenant, hashes)
+            num_blocks = min(int(hit.num_blocks), len(hashes))
+            if num_blocks <= 0:
+                return None
+            if num_blocks != hit.num_blocks:
+                hit = PrefixHit(num_blocks, hit.tier, hit.num_bytes * num_blocks // max(1, hit.num_blocks))
+            fetch = should_fetch(
+                hit,
+                bandwidth_bytes_per_s=kv.bandwidth_bytes_per_s(hit.tier),
+                prefill_tokens_per_s=self.prefill_tokens_per_s(),
+                block_size=self.block_size,
+            )
+            if not fetch:
+                stats.fetch_skipped += 1
+                return None
+            started = time.perf_counter()
+            blocks = await kv.load(tenant, hashes[:num_blocks])
+            elapsed = time.perf_counter() - started
+            if blocks is None or len(blocks) != num_blocks:
+                stats.fetch_failures += 1
+                logger.info("kv prefix load of %d blocks missed for %s", num_blocks, request.request_id)
+                return None
+            num_bytes = sum(len(b) for b in blocks)
+            if elapsed > 0:
+                kv.record_fetch(hit.tier, num_bytes, elapsed)
+            if num_bytes > _DECODE_INLINE_MAX_BYTES:
+                return await asyncio.to_thread(self._decode_prefix, blocks)
+            return self._decode_prefix(blocks)
+        except CorruptBlockError as e:
+            stats.fetch_failures += 1
+            logger.warning("corrupt kv block for %s, recomputing: %s", request.request_id, e)
+        except Exception:  # noqa: BLE001 - a store failure is a miss, never a failed request
+            stats.fetch_failures += 1
+            logger.warning("kv prefix fetch failed for %s, recomputing", request.request_id, exc_info=True)
+        return None
+
+    def _decode_prefix(self, blocks: list[bytes]) -> torch.Tensor:
+        return decode_kv_blocks(blocks, dtype=self.dtype, shape=self._kv_block_shape)
+
+    def _start_export(self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor) -> None:
+        """On the request's event loop: encode and save one finished request's new blocks."""
+        task = asyncio.get_running_loop().create_task(self._export(tenant, token_ids, first_block, span))
+        self._export_tasks.add(task)
+        task.add_done_callback(self._export_tasks.discard)
+
+    async def _export(self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor) -> None:
+        try:
+            hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
+            self._kv.save(tenant, hashes, blocks)
+            self._kv_stats.blocks_exported += len(blocks)
+        except Exception:  # noqa: BLE001 - never surfaces to a request
+            self._kv_stats.export_failures += 1
+            logger.warning("kv export failed", exc_info=True)
+
+    def _encode_export(
+        self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor
+    ) -> tuple[list[str], list[bytes]]:
+        hashes = block_hashes(self.model_id, tenant, token_ids, self.block_size)[first_block:]
+        blocks = encode_kv_blocks(span, self.block_size)
+        if len(hashes) != len(blocks):
+            raise RuntimeError(f"{len(hashes)} hashes for {len(blocks)} exported blocks")
+        return hashes, blocks
 
     # ------------------------------------------------------------------ loop thread
 
@@ -319,12 +501,21 @@ class TorchEngine(Engine):
         new_reqs = [self._reqs_by_id[s.request_id] for s in out.prefill]
         old_reqs = list(self._batch.reqs)
         # Every running sequence gets exactly one token per step: the new ones from their
-        # prefill, the others from one batched decode.
-        new_part = self._prefill(new_reqs) if new_reqs else None
+        # prefill, the others from one batched decode. New ones with an imported prefix are
+        # prefilled one at a time on their own pre-filled cache; the rest as one batch.
+        for r in new_reqs:
+            if r.prefix is not None and not 0 < r.prefix.shape[3] < len(r.seq.prompt_token_ids):
+                # generate() never builds such a prefix; recompute rather than kill the loop.
+                logger.error("dropping an imported prefix of %d tokens for a %d-token prompt",
+                             r.prefix.shape[3], len(r.seq.prompt_token_ids))
+                r.prefix = None
+        plain = [r for r in new_reqs if r.prefix is None]
+        parts = [self._prefill(plain)] if plain else []
+        parts += [self._prefill_with_prefix(r) for r in new_reqs if r.prefix is not None]
         if old_reqs:
             self._decode_step()
-        if new_part is not None:
-            self._merge(new_part)
+        for part in parts:
+            self._merge(part)
         self._num_steps += 1
         for req in new_reqs + old_reqs:
             self._postprocess(req)
@@ -343,6 +534,7 @@ class TorchEngine(Engine):
             mask[i, width - lengths[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -351,8 +543,51 @@ class TorchEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        self._sample_into(reqs, logits)
+        self._sample_into(reqs, logits, "prefill")  # syncs (logits go to the CPU)
+        self._account_prefill(sum(lengths), 0, time.perf_counter() - started)
         return _Batch(reqs=list(reqs), cache=cache, mask=mask.to(self.device))
+
+    def _prefill_with_prefix(self, req: _Request) -> _Batch:
+        """Prefill one request whose first P prompt tokens' K/V were imported: the cache
+        starts with them and only prompt[P:] is fed, at positions P.."""
+        from transformers import DynamicCache
+
+        span, req.prefix = req.prefix, None
+        prompt = req.seq.prompt_token_ids
+        num_prefix, num_prompt = span.shape[3], len(prompt)  # 0 < P < prompt, checked in _step
+        span = span.to(self.device)
+        cache = DynamicCache(
+            ddp_cache_data=[(span[i, 0].unsqueeze(0), span[i, 1].unsqueeze(0)) for i in range(span.shape[0])]
+        )
+        del span
+        input_ids = torch.tensor([prompt[num_prefix:]], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, num_prompt), dtype=torch.long, device=self.device)
+        positions = torch.arange(num_prefix, num_prompt, device=self.device).unsqueeze(0)
+        started = time.perf_counter()
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self._sample_into([req], logits, "prefill")
+        req.num_imported_tokens = num_prefix
+        self._account_prefill(num_prompt - num_prefix, num_prefix, time.perf_counter() - started)
+        return _Batch(reqs=[req], cache=cache, mask=mask)
+
+    def _account_prefill(self, computed: int, imported: int, seconds: float) -> None:
+        stats = self._kv_stats
+        stats.prefilled_tokens += computed
+        if imported:
+            stats.prefix_hit_tokens += imported
+            stats.blocks_imported += imported // self.block_size
+        # Short prefills are dominated by fixed overhead; they would understate the speed
+        # of recomputing a prefix of whole blocks.
+        if computed >= self.block_size and seconds > 0:
+            self._prefill_tokens_avg.update(computed)
+            self._prefill_seconds_avg.update(seconds)
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -368,10 +603,13 @@ class TorchEngine(Engine):
             use_cache=True,
         ).logits[:, -1]
         batch.mask = mask
-        self._sample_into(batch.reqs, logits)
+        self._sample_into(batch.reqs, logits, "decode")
 
-    def _sample_into(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+    def _sample_into(self, reqs: list[_Request], logits: torch.Tensor, phase: str) -> None:
         logits = logits.float().cpu()
+        hook = self.logits_hook
+        if hook is not None:
+            hook([r.seq.request_id for r in reqs], logits.clone(), phase)
         params = [r.request.sampling for r in reqs]
         token_ids = sample(
             logits, [p.temperature for p in params], [p.top_p for p in params], [r.generator for r in reqs]
@@ -444,6 +682,9 @@ class TorchEngine(Engine):
             num_output_tokens=len(seq.output_token_ids),
         )
         if finish is not None:
+            if self._kv is not None:
+                # Before the last delta, so the export is under way when the caller sees it.
+                self._export_blocks(req)
             req.done = True
             self._scheduler.finish(seq)
             self._reqs_by_id.pop(seq.request_id, None)
@@ -452,6 +693,36 @@ class TorchEngine(Engine):
             req.done = True
             self._scheduler.abort(seq.request_id)
             self._reqs_by_id.pop(seq.request_id, None)
+
+    def _export_blocks(self, req: _Request) -> None:
+        """Copy the not-imported full blocks of a finished request's cached K/V out of the
+        running batch (a cheap on-device copy) and hand them to its event loop, which
+        encodes them off the loop thread and saves them."""
+        try:
+            seq, bs, batch = req.seq, self.block_size, self._batch
+            # Every token but the last sampled one has been fed, so its K/V are cached.
+            num_cached = seq.num_tokens - 1
+            first_block, num_blocks = req.num_imported_tokens // bs, num_cached // bs
+            if num_blocks <= first_block:
+                return
+            row = next(i for i, r in enumerate(batch.reqs) if r is req)
+            width = batch.mask.shape[1]
+            if int(batch.mask[row].sum()) != num_cached:
+                raise RuntimeError(f"row holds {int(batch.mask[row].sum())} tokens, expected {num_cached}")
+            # Rows are right-aligned: this row's tokens are the last num_cached columns.
+            start = width - num_cached + first_block * bs
+            end = width - num_cached + num_blocks * bs
+            span = torch.stack(
+                [
+                    torch.stack((layer.keys[row, :, start:end], layer.values[row, :, start:end]))
+                    for layer in batch.cache.layers
+                ]
+            )
+            token_ids = (seq.prompt_token_ids + seq.output_token_ids)[: num_blocks * bs]
+            req.loop.call_soon_threadsafe(self._start_export, req.request.tenant, token_ids, first_block, span)
+        except Exception:  # noqa: BLE001 - exporting is best effort
+            self._kv_stats.export_failures += 1
+            logger.warning("kv export of %s failed", req.seq.request_id, exc_info=True)
 
     def _deliver(self, req: Optional[_Request], item: Union[TokenDelta, BaseException]) -> bool:
         if req is None:

@@ -1,0 +1,105 @@
+"""KV-block reuse between an engine and the data plane: hashing, the connector interface
+and the fetch-or-recompute decision. No torch, no Ray: the router imports this too.
+
+A *block* is the K/V of ``block_size`` consecutive tokens for every layer. Blocks are named
+by a chained hash, as vLLM's prefix caching does: block i's hash covers the model, the
+tenant, block i-1's hash and block i's token ids, so equal hashes mean equal whole prefixes
+and one tenant's blocks can never be found by another.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+# Tiers, fastest first. "L1" is the engine's own cache and never crosses this interface.
+TIER_L2 = "L2"
+TIER_L3 = "L3"
+TIER_NONE = "none"
+
+
+def block_hashes(
+    model_id: str, tenant: str, token_ids: Sequence[int], block_size: int
+) -> list[str]:
+    """Chained hashes (hex) of the *full* blocks of ``token_ids``; a partial tail is skipped."""
+    hashes: list[str] = []
+    parent = hashlib.blake2b(
+        f"{model_id}\x00{tenant}".encode(), digest_size=16
+    ).digest()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(struct.pack(f"<{len(block)}q", *block))
+        parent = h.digest()
+        hashes.append(parent.hex())
+    return hashes
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The longest run of leading blocks the data plane holds."""
+
+    num_blocks: int
+    # The slowest tier any of those blocks sits in (what bounds the fetch time).
+    tier: str = TIER_NONE
+    num_bytes: int = 0
+
+
+class KVConnector(abc.ABC):
+    """What an engine needs from a KV store. Implementations must never raise to the
+    engine on a store failure: a failure is a miss (and a metric), never a failed request."""
+
+    block_size: int
+
+    @abc.abstractmethod
+    async def lookup(self, tenant: str, hashes: list[str]) -> PrefixHit:
+        """How many leading blocks of ``hashes`` are stored, and where."""
+
+    @abc.abstractmethod
+    async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes]]:
+        """The encoded blocks for ``hashes`` (all of them, in order), or None if any is
+        missing or fails its checksum."""
+
+    @abc.abstractmethod
+    def save(self, tenant: str, hashes: list[str], blocks: list[bytes]) -> None:
+        """Store encoded blocks; returns at once (write-behind), errors are logged."""
+
+    def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
+        """Feed the bandwidth estimate of a tier (optional)."""
+
+    def bandwidth_bytes_per_s(self, tier: str) -> Optional[float]:
+        """Measured bandwidth of a tier, None until measured."""
+        return None
+
+
+def should_fetch(
+    hit: PrefixHit,
+    *,
+    bandwidth_bytes_per_s: Optional[float],
+    prefill_tokens_per_s: Optional[float],
+    block_size: int,
+) -> bool:
+    """Fetch the cached prefix unless loading it is measured to be slower than prefilling
+    those tokens again. Without both measurements, fetch (and so learn the bandwidth)."""
+    if hit.num_blocks == 0:
+        return False
+    if not bandwidth_bytes_per_s or not prefill_tokens_per_s:
+        return True
+    fetch_s = hit.num_bytes / bandwidth_bytes_per_s
+    recompute_s = hit.num_blocks * block_size / prefill_tokens_per_s
+    return fetch_s < recompute_s
+
+
+class Ewma:
+    """Exponentially weighted moving average of a rate."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.value: Optional[float] = None
+
+    def update(self, sample: float) -> float:
+        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
+        return self.value

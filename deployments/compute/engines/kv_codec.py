@@ -1,0 +1,125 @@
+"""Torch tensors ⇄ stored KV blocks (the codec of ``deployments/dataplane/blocks.py``).
+
+One block is the K/V of ``block_size`` consecutive tokens for every layer, as one tensor of
+shape ``[num_layers, 2, num_kv_heads, block_size, head_dim]`` (``2`` = keys, values) in the
+model's dtype, C-contiguous, layout ``"layers,kv,heads,tokens,head_dim"``. A run of blocks
+is handled as one "span" tensor ``[num_layers, 2, num_kv_heads, n * block_size, head_dim]``.
+
+Decoding checks the header's dtype, shape and layout against what the model expects and
+raises :class:`CorruptBlockError` on any mismatch, so a block from another model, dtype or
+block size is a miss, never wrong output.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from deployments.dataplane.blocks import (
+    DEFAULT_LAYOUT,
+    BlockHeader,
+    CorruptBlockError,
+    decode_block,
+    encode_block,
+)
+
+__all__ = [
+    "CorruptBlockError",
+    "LAYOUT",
+    "block_shape",
+    "decode_kv_block",
+    "decode_kv_blocks",
+    "dtype_name",
+    "encode_kv_block",
+    "encode_kv_blocks",
+]
+
+LAYOUT = DEFAULT_LAYOUT  # "layers,kv,heads,tokens,head_dim"
+
+_NAME_TO_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_TO_NAME = {v: k for k, v in _NAME_TO_DTYPE.items()}
+_TOKENS_DIM = 3
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {dtype}") from None
+
+
+def block_shape(config, block_size: int) -> tuple[int, int, int, int, int]:
+    """The shape of one block of a model with this (transformers) config."""
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return (int(config.num_hidden_layers), 2, num_kv_heads, int(block_size), int(head_dim))
+
+
+def encode_kv_block(block: torch.Tensor) -> bytes:
+    """One ``[layers, 2, heads, block_size, head_dim]`` tensor → stored bytes."""
+    if block.dim() != 5 or block.shape[1] != 2:
+        raise ValueError(f"a KV block must be [layers, 2, heads, tokens, head_dim], got {tuple(block.shape)}")
+    header = BlockHeader(dtype=dtype_name(block.dtype), shape=tuple(block.shape), layout=LAYOUT)
+    raw = block.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return encode_block(header, raw.numpy().tobytes())
+
+
+def encode_kv_blocks(span: torch.Tensor, block_size: int) -> list[bytes]:
+    """A ``[layers, 2, heads, n * block_size, head_dim]`` span → n stored blocks."""
+    num_tokens = span.shape[_TOKENS_DIM]
+    if num_tokens % block_size:
+        raise ValueError(f"span of {num_tokens} tokens is not a whole number of {block_size}-token blocks")
+    span = span.detach().to("cpu")
+    return [
+        encode_kv_block(span.narrow(_TOKENS_DIM, start, block_size))
+        for start in range(0, num_tokens, block_size)
+    ]
+
+
+def _checked_payload(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> memoryview:
+    header, payload = decode_block(data)  # raises CorruptBlockError itself
+    expected_dtype = dtype_name(dtype)
+    if header.dtype != expected_dtype:
+        raise CorruptBlockError(f"block dtype {header.dtype!r}, model wants {expected_dtype!r}")
+    if tuple(header.shape) != tuple(shape):
+        raise CorruptBlockError(f"block shape {list(header.shape)}, model wants {list(shape)}")
+    if header.layout != LAYOUT:
+        raise CorruptBlockError(f"block layout {header.layout!r}, expected {LAYOUT!r}")
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    expected_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    if len(payload) != expected_bytes:
+        raise CorruptBlockError(f"payload is {len(payload)} bytes, shape {list(shape)} needs {expected_bytes}")
+    return payload
+
+
+def _as_tensor(payload: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    # bytearray: a writable copy the tensor owns (torch warns on read-only buffers).
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+
+def decode_kv_block(data: bytes | memoryview, *, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """Stored bytes → one block tensor (on CPU). Raises CorruptBlockError if the bytes are
+    damaged or are not a block of this ``dtype`` and ``shape``."""
+    return _as_tensor(_checked_payload(data, dtype, shape), dtype, shape)
+
+
+def decode_kv_blocks(
+    blocks: Sequence[bytes | memoryview], *, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """n stored blocks (in order) → one ``[layers, 2, heads, n * block_size, head_dim]`` span
+    on CPU. Raises CorruptBlockError if any block fails its checks."""
+    if not blocks:
+        raise ValueError("no blocks to decode")
+    shape = tuple(int(d) for d in shape)
+    block_size = shape[_TOKENS_DIM]
+    span_shape = list(shape)
+    span_shape[_TOKENS_DIM] = block_size * len(blocks)
+    span = torch.empty(span_shape, dtype=dtype)
+    for i, data in enumerate(blocks):
+        block = _as_tensor(_checked_payload(data, dtype, shape), dtype, shape)
+        span.narrow(_TOKENS_DIM, i * block_size, block_size).copy_(block)
+    return span

@@ -1,0 +1,87 @@
+"""The stored form of one KV block: a small fixed header, then the raw tensor bytes.
+
+Layout (little-endian)::
+
+    magic  b"KVB1"            4 bytes
+    header_len                u32   length of the JSON header that follows
+    header                    JSON  {"v": 1, "dtype": "float32", "shape": [...],
+                                     "layout": "layers,kv,heads,tokens,head_dim",
+                                     "crc32": <of the payload>, "nbytes": <payload length>}
+    payload                   nbytes bytes, C-contiguous
+
+The data plane never interprets the payload; it only checks the header and checksum, so
+it needs no torch. A block that fails any check is a miss (``CorruptBlockError``), never
+wrong output.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"KVB1"
+FORMAT_VERSION = 1
+DEFAULT_LAYOUT = "layers,kv,heads,tokens,head_dim"
+_PREFIX = struct.Struct("<4sI")
+_MAX_HEADER = 4096
+
+
+class CorruptBlockError(ValueError):
+    """The bytes are not a valid block of this format."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str = DEFAULT_LAYOUT
+    version: int = FORMAT_VERSION
+
+
+def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
+    payload = bytes(payload)
+    meta = json.dumps(
+        {
+            "v": header.version,
+            "dtype": header.dtype,
+            "shape": list(header.shape),
+            "layout": header.layout,
+            "crc32": zlib.crc32(payload),
+            "nbytes": len(payload),
+        },
+        separators=(",", ":"),
+    ).encode()
+    return _PREFIX.pack(MAGIC, len(meta)) + meta + payload
+
+
+def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
+    """Check and split a stored block. Raises CorruptBlockError on any mismatch."""
+    view = memoryview(data)
+    if len(view) < _PREFIX.size:
+        raise CorruptBlockError("block shorter than its prefix")
+    magic, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {bytes(magic)!r}")
+    if header_len > _MAX_HEADER or _PREFIX.size + header_len > len(view):
+        raise CorruptBlockError("bad header length")
+    try:
+        meta = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + header_len]))
+        header = BlockHeader(
+            dtype=str(meta["dtype"]),
+            shape=tuple(int(d) for d in meta["shape"]),
+            layout=str(meta["layout"]),
+            version=int(meta["v"]),
+        )
+        crc, nbytes = int(meta["crc32"]), int(meta["nbytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptBlockError(f"bad header: {e}") from None
+    if header.version != FORMAT_VERSION:
+        raise CorruptBlockError(f"unsupported block format version {header.version}")
+    payload = view[_PREFIX.size + header_len :]
+    if len(payload) != nbytes:
+        raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {nbytes}")
+    if zlib.crc32(payload) != crc:
+        raise CorruptBlockError("payload checksum mismatch")
+    return header, payload

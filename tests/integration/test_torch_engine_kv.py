@@ -1,0 +1,275 @@
+"""KV export/import in the torch engine, on the tiny checkpoint with an in-memory store:
+an imported prefix gives the same logits and tokens as a full recompute, a second turn
+prefills only its new suffix, store failures are misses, and hits mix with misses in one
+running batch."""
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from deployments.compute.engines.kv import block_hashes
+from deployments.compute.engines.kv_codec import decode_kv_blocks
+from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+from deployments.compute.engines.torch_engine import TorchEngine
+from tests.fixtures.kv import DictKVConnector
+
+BLOCK = 8
+PROMPTS = [
+    "A much longer prompt: " + "the model reads many words before it answers " * 6,
+    "Server memory cluster worker router latency is important to the people of the city",
+    "hello world and the cache went to the river and the river went to the sea again",
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+    "café 🙂 naïve",
+    "the",
+]
+
+
+def make_request(request_id, prompt_ids, tenant="default", **sampling) -> GenerationRequest:
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 12)
+    sampling.setdefault("ignore_eos", True)
+    return GenerationRequest(request_id, list(prompt_ids), SamplingParams(**sampling), tenant=tenant)
+
+
+async def collect(engine, request):
+    return [t async for d in engine.generate(request) for t in d.token_ids]
+
+
+class LogitsRecorder:
+    """Keeps the logits of each request's first generated position (its prefill)."""
+
+    def __init__(self):
+        self.first: dict[str, torch.Tensor] = {}
+
+    def __call__(self, request_ids, logits, phase):
+        if phase == "prefill":
+            for rid, row in zip(request_ids, logits):
+                self.first[rid] = row
+
+
+@pytest_asyncio.fixture
+async def store():
+    return DictKVConnector(block_size=BLOCK)
+
+
+@pytest_asyncio.fixture
+async def engine(tiny_model_path, store):
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=4, num_threads=2, kv_connector=store,
+                      model_id="tiny", block_size=BLOCK)
+    eng.logits_hook = LogitsRecorder()
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+@pytest_asyncio.fixture
+async def plain(tiny_model_path):
+    """The reference: the same engine without a connector."""
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=4, num_threads=2)
+    eng.logits_hook = LogitsRecorder()
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def encode(engine, text):
+    return engine.tokenizer(text)["input_ids"]
+
+
+async def run_and_export(engine, request):
+    tokens = await collect(engine, request)
+    await engine.wait_for_kv_exports()
+    return tokens
+
+
+def test_capabilities_and_block_size_check(tiny_model_path):
+    assert TorchEngine.capabilities.supports_kv_export
+    with pytest.raises(ValueError, match="block_size"):
+        TorchEngine(str(tiny_model_path), kv_connector=DictKVConnector(block_size=16), block_size=8)
+
+
+@pytest.mark.asyncio
+async def test_imported_prefix_matches_full_recompute(engine, plain, store):
+    ids = encode(engine, PROMPTS[0])
+    assert len(ids) > 4 * BLOCK
+    first = await run_and_export(engine, make_request("first", ids))
+    stats = engine.kv_stats()
+    assert stats.prefix_hit_tokens == 0 and stats.prefilled_tokens == len(ids)
+    # Processed tokens = prompt + all outputs but the last (never fed): their full blocks.
+    expected_blocks = (len(ids) + len(first) - 1) // BLOCK
+    assert stats.blocks_exported == expected_blocks == len(store.blocks)
+
+    again = await collect(engine, make_request("again", ids))
+    stats = engine.kv_stats()
+    hit_tokens = (len(ids) - 1) // BLOCK * BLOCK  # the last prompt token is always prefilled
+    assert stats.prefix_hit_tokens == hit_tokens and stats.blocks_imported == hit_tokens // BLOCK
+    assert stats.prefilled_tokens == len(ids) + (len(ids) - hit_tokens)
+    assert stats.fetch_failures == 0
+    assert store.fetches and store.fetches[-1][1] > 0  # the engine fed the bandwidth estimate
+
+    reference = await collect(plain, make_request("ref", ids))
+    assert again == first == reference
+    imported = engine.logits_hook.first["again"]
+    recomputed = plain.logits_hook.first["ref"]
+    assert imported.shape == recomputed.shape
+    torch.testing.assert_close(imported, recomputed, atol=1e-4, rtol=0)
+    torch.testing.assert_close(engine.logits_hook.first["first"], recomputed, atol=1e-4, rtol=0)
+    # The tolerance is meaningful: another prompt's logits are far outside it.
+    other = await collect(plain, make_request("other", encode(engine, PROMPTS[1])))
+    assert other and (plain.logits_hook.first["other"] - recomputed).abs().max() > 1e-2
+
+
+@pytest.mark.asyncio
+async def test_stored_blocks_are_the_models_kv(engine, store, tiny_model_path):
+    """The exported blocks hold exactly the K/V a plain forward computes, so a cache built
+    from them reproduces the full-prompt logits when fed only the rest of the prompt."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ids = encode(engine, PROMPTS[1])
+    await run_and_export(engine, make_request("x", ids, max_tokens=2))
+    hashes = block_hashes("tiny", "default", ids, BLOCK)
+    span = decode_kv_blocks([store.blocks[("default", h)] for h in hashes],
+                            dtype=torch.float32, shape=engine._kv_block_shape)
+    num_prefix = span.shape[3]
+    with torch.inference_mode():
+        full = model(torch.tensor([ids]), use_cache=True)
+        for layer, stored in zip(full.past_key_values.layers, span):
+            torch.testing.assert_close(layer.keys[0, :, :num_prefix], stored[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[0, :, :num_prefix], stored[1], atol=1e-5, rtol=0)
+        cache = DynamicCache(ddp_cache_data=[(s[0][None], s[1][None]) for s in span])
+        rest = model(torch.tensor([ids[num_prefix:]]), past_key_values=cache,
+                     position_ids=torch.arange(num_prefix, len(ids))[None],
+                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    torch.testing.assert_close(rest.logits[0, -1], full.logits[0, -1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.asyncio
+async def test_second_turn_prefills_only_the_new_suffix(engine, plain):
+    turn1 = encode(engine, PROMPTS[1])
+    out1 = await run_and_export(engine, make_request("t1", turn1, max_tokens=10))
+    assert out1 == await collect(plain, make_request("r1", turn1, max_tokens=10))
+    # The conversation continues: turn 1's prompt and answer, then a new user message.
+    turn2 = turn1 + out1 + encode(engine, " and then what happened to the worker")[1:]
+    before = engine.kv_stats()
+    out2 = await run_and_export(engine, make_request("t2", turn2, max_tokens=10))
+    after = engine.kv_stats()
+    # Everything turn 1 cached (its prompt and all but its last output token) is reused.
+    hit = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == hit
+    assert after.prefilled_tokens - before.prefilled_tokens == len(turn2) - hit
+    assert len(turn2) - hit < len(turn2) - len(turn1)  # less than even the new part plus the answer
+    assert out2 == await collect(plain, make_request("r2", turn2, max_tokens=10))
+    # Turn 2 exported only its new blocks, chained onto turn 1's.
+    all_hashes = block_hashes("tiny", "default", turn2 + out2[:-1], BLOCK)
+    assert engine._kv.saves[-1][1] == all_hashes[hit // BLOCK :]
+
+
+@pytest.mark.asyncio
+async def test_tenants_do_not_share_blocks(engine):
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("a", ids, tenant="alice"))
+    await collect(engine, make_request("b", ids, tenant="bob"))
+    assert engine.kv_stats().prefix_hit_tokens == 0
+    await collect(engine, make_request("a2", ids, tenant="alice"))
+    assert engine.kv_stats().prefix_hit_tokens > 0
+
+
+def corrupt_one_block(store):
+    key = sorted(store.blocks)[0]
+    data = bytearray(store.blocks[key])
+    data[-3] ^= 0x40
+    store.blocks[key] = bytes(data)
+
+
+def wrong_shape_blocks(store):
+    # Blocks of another model shape (as if written with another block size): a miss.
+    from deployments.compute.engines.kv_codec import encode_kv_block
+
+    for key, data in store.blocks.items():
+        store.blocks[key] = encode_kv_block(torch.zeros(2, 2, 2, BLOCK, 32))
+
+
+def fail_load(store):
+    store.fail_load = True
+
+
+def load_none(store):
+    store.load_returns_none = True
+
+
+def fail_lookup(store):
+    store.fail_lookup = True
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("damage", [corrupt_one_block, wrong_shape_blocks, fail_load, load_none, fail_lookup])
+async def test_store_failure_is_a_miss_with_correct_output(engine, plain, store, damage):
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("prime", ids))
+    damage(store)
+    before = engine.kv_stats()
+    tokens = await collect(engine, make_request("after", ids))
+    after = engine.kv_stats()
+    assert after.fetch_failures == before.fetch_failures + 1
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens  # nothing imported
+    assert after.prefilled_tokens - before.prefilled_tokens == len(ids)  # full prefill
+    assert tokens == await collect(plain, make_request("ref", ids))
+    torch.testing.assert_close(engine.logits_hook.first["after"], plain.logits_hook.first["ref"], atol=1e-4, rtol=0)
+    await engine.check_health()
+
+
+@pytest.mark.asyncio
+async def test_slow_tier_is_recomputed_not_fetched(engine, store):
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("prime", ids))
+    assert engine.prefill_tokens_per_s() is not None and engine.prefill_tokens_per_s() > 0
+    store.bandwidth = 1.0  # 1 byte/s: fetching is measured slower than recomputing
+    loads = len(store.loads)
+    tokens = await collect(engine, make_request("slow", ids))
+    stats = engine.kv_stats()
+    assert stats.fetch_skipped == 1 and stats.prefix_hit_tokens == 0 and len(store.loads) == loads
+    store.bandwidth = 1e12
+    assert await collect(engine, make_request("fast", ids)) == tokens
+    assert engine.kv_stats().prefix_hit_tokens > 0
+
+
+@pytest.mark.asyncio
+async def test_concurrent_hits_and_misses_match_no_connector(engine, plain, store):
+    prompt_ids = [encode(engine, p) for p in PROMPTS]
+    max_tokens = [14, 9, 20, 6, 11, 16]
+    # Prime the store with half the prompts (so those are hits), one of them extended.
+    for i in (0, 2, 3):
+        await run_and_export(engine, make_request(f"prime{i}", prompt_ids[i], max_tokens=4))
+    prompt_ids[3] = prompt_ids[3] + encode(engine, " and more words after it")[1:]
+    before = engine.kv_stats()
+    requests = [make_request(f"c{i}", ids, max_tokens=n) for i, (ids, n) in enumerate(zip(prompt_ids, max_tokens))]
+    requests += [make_request("c0-again", prompt_ids[0], max_tokens=7)]  # a hit that joins later
+    got = await asyncio.gather(*(collect(engine, r) for r in requests))
+    refs = await asyncio.gather(*(collect(plain, make_request(r.request_id, r.prompt_token_ids,
+                                                              max_tokens=r.sampling.max_tokens)) for r in requests))
+    assert got == refs
+    after = engine.kv_stats()
+    # Prompts 0 (twice) and 2 hit in full; 3 hits on the full blocks of its primed prompt
+    # (the primed answer differs from the extension); 1, 4 and 5 miss.
+    expected_hit = sum((len(prompt_ids[i]) - 1) // BLOCK * BLOCK for i in (0, 2, 0))
+    expected_hit += len(encode(engine, PROMPTS[3])) // BLOCK * BLOCK
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == expected_hit
+    assert after.fetch_failures == 0
+    for r in requests:
+        torch.testing.assert_close(engine.logits_hook.first[r.request_id], plain.logits_hook.first[r.request_id],
+                                   atol=1e-4, rtol=0)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_aborted_request_exports_nothing(engine, store):
+    ids = encode(engine, PROMPTS[0])
+    stream = engine.generate(make_request("cancel", ids, max_tokens=500))
+    await stream.__anext__()
+    await stream.aclose()
+    await asyncio.sleep(0.2)
+    await engine.wait_for_kv_exports()
+    assert not store.blocks and engine.kv_stats().blocks_exported == 0

@@ -1,0 +1,147 @@
+"""KV block codec (torch tensor ⇄ stored bytes) and the fetch-or-recompute decision."""
+
+import struct
+import types
+
+import pytest
+import torch
+
+from deployments.compute.engines.kv import PrefixHit, should_fetch
+from deployments.compute.engines.kv_codec import (
+    CorruptBlockError,
+    block_shape,
+    decode_kv_block,
+    decode_kv_blocks,
+    encode_kv_block,
+    encode_kv_blocks,
+)
+from deployments.dataplane.blocks import BlockHeader, decode_block, encode_block
+
+SHAPE = (2, 2, 3, 4, 8)  # layers, kv, heads, block_size, head_dim
+
+
+def rand_block(dtype=torch.float32, shape=SHAPE, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(dtype):
+    block = rand_block(dtype)
+    data = encode_kv_block(block)
+    header, _ = decode_block(data)
+    assert header.shape == SHAPE and header.layout == "layers,kv,heads,tokens,head_dim"
+    out = decode_kv_block(data, dtype=dtype, shape=SHAPE)
+    assert out.dtype == dtype and tuple(out.shape) == SHAPE
+    assert torch.equal(out.view(torch.uint8 if dtype != torch.float32 else torch.int32),
+                       block.view(torch.uint8 if dtype != torch.float32 else torch.int32))
+
+
+def test_decoded_tensor_owns_writable_memory():
+    data = encode_kv_block(rand_block())
+    out = decode_kv_block(data, dtype=torch.float32, shape=SHAPE)
+    out.add_(1)  # must not fail or touch the bytes
+    assert torch.equal(decode_kv_block(data, dtype=torch.float32, shape=SHAPE) + 1, out)
+
+
+def test_non_contiguous_block_encodes_its_values():
+    span = rand_block(shape=(2, 2, 3, 12, 8))
+    view = span[:, :, :, 4:8]  # not contiguous
+    out = decode_kv_block(encode_kv_block(view), dtype=torch.float32, shape=SHAPE)
+    assert torch.equal(out, view)
+
+
+def test_span_splits_into_blocks_and_back():
+    span = rand_block(shape=(2, 2, 3, 12, 8), seed=3)
+    blocks = encode_kv_blocks(span, block_size=4)
+    assert len(blocks) == 3
+    assert torch.equal(decode_kv_block(blocks[1], dtype=torch.float32, shape=SHAPE), span[:, :, :, 4:8])
+    assert torch.equal(decode_kv_blocks(blocks, dtype=torch.float32, shape=SHAPE), span)
+    assert torch.equal(decode_kv_blocks(blocks[:2], dtype=torch.float32, shape=SHAPE), span[:, :, :, :8])
+    with pytest.raises(ValueError):
+        encode_kv_blocks(span, block_size=5)
+
+
+def test_wrong_dtype_is_corrupt():
+    data = encode_kv_block(rand_block(torch.bfloat16))
+    with pytest.raises(CorruptBlockError, match="dtype"):
+        decode_kv_block(data, dtype=torch.float32, shape=SHAPE)
+    with pytest.raises(CorruptBlockError, match="dtype"):
+        decode_kv_blocks([encode_kv_block(rand_block()), data], dtype=torch.float32, shape=SHAPE)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 3, 8, 8), (3, 2, 3, 4, 8), (2, 2, 3, 4, 16), (2, 2, 6, 4, 8)])
+def test_wrong_shape_is_corrupt(shape):
+    data = encode_kv_block(rand_block())
+    with pytest.raises(CorruptBlockError, match="shape"):
+        decode_kv_block(data, dtype=torch.float32, shape=shape)
+
+
+def test_corrupted_payload_byte_is_corrupt():
+    data = bytearray(encode_kv_block(rand_block()))
+    data[-5] ^= 0x01
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_kv_block(bytes(data), dtype=torch.float32, shape=SHAPE)
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda d: d[:-1],  # truncated
+        lambda d: d[:3],  # shorter than the prefix
+        lambda d: b"XXXX" + d[4:],  # bad magic
+        lambda d: d[:4] + struct.pack("<I", 10**6) + d[8:],  # bad header length
+        lambda d: b"",
+    ],
+)
+def test_damaged_bytes_are_corrupt(mangle):
+    data = encode_kv_block(rand_block())
+    with pytest.raises(CorruptBlockError):
+        decode_kv_block(mangle(data), dtype=torch.float32, shape=SHAPE)
+
+
+def test_header_lying_about_shape_is_corrupt():
+    # A well-formed block whose payload does not fill the shape it claims.
+    payload = rand_block().numpy().tobytes()[:-4]
+    data = encode_block(BlockHeader(dtype="float32", shape=SHAPE), payload)
+    with pytest.raises(CorruptBlockError):
+        decode_kv_block(data, dtype=torch.float32, shape=SHAPE)
+
+
+def test_wrong_layout_is_corrupt():
+    block = rand_block()
+    data = encode_block(BlockHeader(dtype="float32", shape=SHAPE, layout="layers,heads,kv,tokens,head_dim"),
+                        block.numpy().tobytes())
+    with pytest.raises(CorruptBlockError, match="layout"):
+        decode_kv_block(data, dtype=torch.float32, shape=SHAPE)
+
+
+def test_block_shape_from_config():
+    gqa = types.SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=None, hidden_size=512)
+    assert block_shape(gqa, 16) == (4, 2, 2, 16, 64)
+    explicit = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                     head_dim=64, hidden_size=128)
+    assert block_shape(explicit, 8) == (2, 2, 2, 8, 64)
+
+
+# ---------------------------------------------------------------- should_fetch
+
+
+def test_no_hit_is_never_fetched():
+    assert not should_fetch(PrefixHit(0), bandwidth_bytes_per_s=None, prefill_tokens_per_s=None, block_size=16)
+    assert not should_fetch(PrefixHit(0, "L2", 0), bandwidth_bytes_per_s=1e12, prefill_tokens_per_s=1.0, block_size=16)
+
+
+def test_unmeasured_is_fetched():
+    hit = PrefixHit(4, "L3", 4 * 1_000_000)
+    assert should_fetch(hit, bandwidth_bytes_per_s=None, prefill_tokens_per_s=None, block_size=16)
+    assert should_fetch(hit, bandwidth_bytes_per_s=1.0, prefill_tokens_per_s=None, block_size=16)
+    assert should_fetch(hit, bandwidth_bytes_per_s=None, prefill_tokens_per_s=1e9, block_size=16)
+
+
+def test_slow_tier_recomputes_fast_tier_fetches():
+    hit = PrefixHit(4, "L3", 4 * 1_000_000)  # 4 MB for 64 tokens
+    # 1 MB/s → 4 s to fetch; 1000 tok/s → 0.064 s to recompute.
+    assert not should_fetch(hit, bandwidth_bytes_per_s=1e6, prefill_tokens_per_s=1000.0, block_size=16)
+    # 10 GB/s → 0.4 ms to fetch.
+    assert should_fetch(hit, bandwidth_bytes_per_s=1e10, prefill_tokens_per_s=1000.0, block_size=16)

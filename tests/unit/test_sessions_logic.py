@@ -1,0 +1,61 @@
+"""Session id validation, the context-overflow policy and block hashing (pure logic)."""
+
+import pytest
+
+from app.errors import InvalidRequestError
+from app.sessions import check_session_id, fit_history
+from deployments.compute.engines.kv import block_hashes
+
+
+def count_words(messages):
+    return sum(len(m["content"].split()) for m in messages)
+
+
+def msg(role, n, tag="w"):
+    return {"role": role, "content": " ".join(f"{tag}{i}" for i in range(n))}
+
+
+def test_session_id_format():
+    good = "sess_" + "0" * 32
+    assert check_session_id(good) == good
+    for bad in ["", "sess_", "sess_" + "g" * 32, "x" * 37, "sess_" + "0" * 31, "../../etc"]:
+        with pytest.raises(InvalidRequestError):
+            check_session_id(bad)
+
+
+def test_history_that_fits_is_kept_whole():
+    history = [msg("user", 10), msg("assistant", 10)]
+    new = [msg("user", 5)]
+    messages, n = fit_history(history, new, count_tokens=count_words, max_new_tokens=10, max_model_len=100, policy="error")
+    assert messages == history + new and n == 25
+
+
+def test_overflow_error_says_how_many_tokens_over():
+    history = [msg("user", 50), msg("assistant", 40)]
+    with pytest.raises(InvalidRequestError) as e:
+        fit_history(history, [msg("user", 5)], count_tokens=count_words, max_new_tokens=10, max_model_len=100, policy="error")
+    # 95 prompt + 10 completion = 105 -> 5 over a context of 100
+    assert "5 over" in e.value.message and "100" in e.value.message and "105" in e.value.message
+
+
+def test_truncate_oldest_drops_oldest_non_system_first():
+    system = msg("system", 5, "s")
+    history = [system, msg("user", 30, "a"), msg("assistant", 30, "b"), msg("user", 20, "c")]
+    new = [msg("user", 5, "n")]
+    messages, n = fit_history(history, new, count_tokens=count_words, max_new_tokens=10, max_model_len=70, policy="truncate_oldest")
+    # 5 + 30 + 30 + 20 + 5 = 90 (+10) too big; drop "a" -> 60+10 = 70 fits.
+    assert messages == [system, history[2], history[3]] + new
+    assert n == 60
+
+
+def test_block_hashes_chain_and_tenant_isolation():
+    tokens = list(range(40))
+    h = block_hashes("m", "t1", tokens, 16)
+    assert len(h) == 2  # the partial third block is skipped
+    assert block_hashes("m", "t1", tokens[:32], 16) == h
+    # Same block tokens after a different prefix: different hash (chained).
+    other = block_hashes("m", "t1", [99] + tokens[1:], 16)
+    assert other[0] != h[0] and other[1] != h[1]
+    assert block_hashes("m", "t2", tokens, 16)[0] != h[0]
+    assert block_hashes("m2", "t1", tokens, 16)[0] != h[0]
+    assert block_hashes("m", "t1", tokens[:15], 16) == []

@@ -33,6 +33,11 @@ def build_app(args: dict | None = None) -> Application:
     from deployments.compute.deployment import worker_deployment
     from deployments.router.deployment import router_deployment
 
-    worker = worker_deployment(resolved).bind(payload)
-    router = router_deployment(resolved).bind(worker, payload)
-    return ingress_deployment(resolved).bind(router, payload)
+    dataplane = None
+    if resolved.dataplane.enabled:
+        from deployments.dataplane.deployment import dataplane_deployment
+
+        dataplane = dataplane_deployment(resolved).bind(payload)
+    worker = worker_deployment(resolved).bind(payload, dataplane)
+    router = router_deployment(resolved).bind(worker, payload, dataplane)
+    return ingress_deployment(resolved).bind(router, payload, dataplane)

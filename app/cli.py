@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from app.config import AppConfig
+
 
 def _say(msg: str) -> None:
     print(f"\033[1m[llm-serve]\033[0m {msg}", flush=True)
@@ -48,6 +50,28 @@ def wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
+def start_embedded_redis(config: "AppConfig", state_dir: Path):
+    """Start a local redis-server for the data plane when its configured URL is a loopback
+    address nobody answers on. Its AOF lives in ``state_dir``, so sessions survive restarts."""
+    from urllib.parse import urlparse
+
+    from app.local_redis import LocalRedis, _ping
+
+    if not config.dataplane.enabled:
+        return None
+    url = urlparse(config.dataplane.redis.url)
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    port = url.port or 6379
+    if _ping(port):
+        _say(f"using the Redis already listening on 127.0.0.1:{port}")
+        return None
+    data_dir = state_dir / f"redis-{port}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _say(f"starting redis-server on 127.0.0.1:{port} (AOF everysec in {data_dir})")
+    return LocalRedis(port, data_dir=data_dir).start()
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -60,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
 
     _say(f"validating {args.config} and preparing the model")
-    application = build_app(app_doc.get("args") or {})
+    app_args = app_doc.get("args") or {}
+    application = build_app(app_args)
+    redis = start_embedded_redis(AppConfig.model_validate(app_args), Path(args.state_dir))
 
     _say(f"starting Ray (num_cpus={args.num_cpus})")
     ray.init(
@@ -81,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if not wait_ready(url, timeout_s=args.ready_timeout_s):
         _say(f"the service did not become ready within {args.ready_timeout_s}s")
         serve.shutdown()
+        if redis is not None:
+            redis.stop()
         return 1
     _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
 
@@ -92,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     _say("shutting down")
     serve.shutdown()
     ray.shutdown()
+    if redis is not None:
+        redis.stop()
     return 0
 
 
@@ -107,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         help="logical CPUs Ray schedules with (not cores): enough for every deployment",
     )
     p_run.add_argument("--ready-timeout-s", type=float, default=600)
+    p_run.add_argument(
+        "--state-dir", default=".state", help="where the embedded Redis keeps its data"
+    )
     p_run.add_argument("--verbose", action="store_true", help="stream replica logs here")
     args = parser.parse_args(argv)
     if args.command == "run":

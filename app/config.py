@@ -59,6 +59,32 @@ class ModelConfig(_Strict):
         return int(cfg["max_position_embeddings"])
 
 
+class VLLMOptions(_Strict):
+    """Options handed to vLLM's engine; validated here, before vLLM starts."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=0.95,
+        description="Fraction of GPU memory vLLM may take; the rest is headroom against "
+        "KV bursts.",
+    )
+    max_num_batched_tokens: Optional[int] = Field(default=None, ge=16, le=1_048_576)
+    enable_prefix_caching: bool = Field(default=True)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
+    quantization: Optional[str] = Field(default=None, max_length=64)
+    enforce_eager: bool = Field(default=False)
+    cpu_kv_cache_space_gib: Optional[float] = Field(
+        default=None,
+        gt=0,
+        le=1024,
+        description="KV cache size of the CPU build (VLLM_CPU_KVCACHE_SPACE), in GiB.",
+    )
+    seed: int = Field(default=0, ge=0)
+
+
 class EngineConfig(_Strict):
     name: Literal["torch", "vllm"] = Field(
         default="torch", description="Which engine the ComputeWorkers run."
@@ -82,6 +108,9 @@ class EngineConfig(_Strict):
     warmup: bool = Field(
         default=True,
         description="Run one generation before the replica reports ready.",
+    )
+    vllm: VLLMOptions = Field(
+        default_factory=VLLMOptions, description="Options of the vllm engine (ignored by torch)."
     )
 
 
@@ -160,6 +189,73 @@ class TelemetryConfig(_Strict):
     trace_sample_ratio: float = Field(default=1.0, ge=0, le=1)
 
 
+class RedisConfig(_Strict):
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="redis:// or rediss:// (TLS) URL, without the password.",
+    )
+    password_env: Optional[str] = Field(
+        default="REDIS_PASSWORD",
+        description="Name of the environment variable holding the password (never the "
+        "password itself); unset or empty variable: no password.",
+    )
+    pool_size: int = Field(default=32, ge=1, le=10_000)
+    socket_timeout_s: float = Field(default=2.0, gt=0, le=120)
+    connect_timeout_s: float = Field(default=1.0, gt=0, le=120)
+    reconnect_interval_s: float = Field(
+        default=1.0, gt=0, le=300, description="How often a degraded pool retries Redis."
+    )
+
+
+class SessionConfig(_Strict):
+    cache_ttl_s: int = Field(
+        default=1800, ge=1, le=30 * 86_400, description="Session expiry, refreshed on use."
+    )
+    overflow_policy: Literal["error", "truncate_oldest"] = Field(
+        default="error",
+        description="When history + request exceed the context: `error` answers 400 "
+        "saying how many tokens are over; `truncate_oldest` drops the oldest turns.",
+    )
+    max_messages: int = Field(default=10_000, ge=1, le=1_000_000)
+
+
+class DataPlaneConfig(_Strict):
+    enabled: bool = Field(
+        default=True, description="Sessions API and KV-block reuse through the data plane."
+    )
+    kv_reuse: bool = Field(
+        default=True,
+        description="Save and reuse KV blocks through the data plane; off: every request "
+        "prefills its whole prompt (sessions still work).",
+    )
+    num_replicas: int = Field(default=2, ge=1, le=1024, description="Data-plane actors (M).")
+    num_cpus: float = Field(default=0.25, ge=0, le=64)
+    block_size: int = Field(
+        default=16, ge=1, le=4096, description="Tokens per KV block (the reuse granularity)."
+    )
+    l2_capacity_bytes: int = Field(
+        default=1 << 30, ge=1 << 20, le=1 << 42, description="Host-memory tier size per actor."
+    )
+    high_watermark: float = Field(default=0.85, gt=0, le=1)
+    low_watermark: float = Field(default=0.70, gt=0, le=1)
+    eviction_policy: Literal["lru", "lfu"] = "lru"
+    sync_interval_ms: int = Field(
+        default=200, ge=1, le=600_000, description="Write-behind period from L2 to Redis."
+    )
+    kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    sessions: SessionConfig = Field(default_factory=SessionConfig)
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> "DataPlaneConfig":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"dataplane.low_watermark ({self.low_watermark}) must be below "
+                f"high_watermark ({self.high_watermark})"
+            )
+        return self
+
+
 class AppConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -168,6 +264,7 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "AppConfig":

@@ -36,6 +36,7 @@ from app.errors import (
 )
 from app.metrics_export import collect_cluster_metrics
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.sessions import PendingTurn, SessionClient, fit_history, session_json
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
 
@@ -106,6 +107,7 @@ class _Call:
         self.num_output_tokens = 0
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
+        self.turn: Optional[PendingTurn] = None
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
@@ -125,10 +127,16 @@ class _Call:
 
 
 class Ingress:
-    def __init__(self, router: DeploymentHandle, config: dict):
+    def __init__(
+        self, router: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
+    ):
         from transformers import AutoTokenizer  # heavy; only the ingress needs it
 
         self._config = AppConfig.model_validate(config)
+        self._dataplane = dataplane
+        self._sessions = (
+            SessionClient(dataplane, self._config.dataplane.sessions) if dataplane else None
+        )
         telemetry.setup(self._config.telemetry, "ingress")
         self._tracer = telemetry.tracer(__name__)
         self._router = router
@@ -225,15 +233,44 @@ class Ingress:
             trace_headers=telemetry.inject_context(),
         )
 
-    def _chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="messages") from None
+    def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest, request: Request):
+        """Prompt token ids of a chat request, with the session's history in front when it
+        names one; also returns the turn to append once the reply is done."""
+        try:
+            new_messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="messages") from None
+        session_id = request.headers.get("x-session-id") or req.session_id
+        if not session_id:
+            return self._chat_prompt_ids(new_messages), None
+        if self._sessions is None:
+            raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
+        record = await self._sessions.get(session_id)
+        messages, _ = fit_history(
+            record.messages,
+            new_messages,
+            count_tokens=lambda msgs: len(self._chat_prompt_ids(msgs)),
+            max_new_tokens=req.requested_max_tokens() or self._config.limits.default_max_tokens,
+            max_model_len=self._max_model_len,
+            policy=self._sessions.config.overflow_policy,
+        )
+        turn = PendingTurn(session_id, record.version, new_messages, record.num_tokens)
+        return self._chat_prompt_ids(messages), turn
+
+    async def _commit_turn(self, call: "_Call", text: str) -> None:
+        """Append the finished turn (user messages + reply) in one compare-and-set."""
+        if call.turn is None:
+            return
+        messages = call.turn.new_messages + [{"role": "assistant", "content": text}]
+        await self._sessions.append(
+            call.turn, messages, call.num_prompt_tokens + call.num_output_tokens
+        )
 
     def _completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
@@ -282,12 +319,17 @@ class Ingress:
             call = None
             try:
                 req = self._validate(schema, await self._read_json(request))
+                turn = None
                 if isinstance(req, ChatCompletionRequest):
-                    prompt_ids = self._chat_prompt_ids(req)
+                    prompt_ids, turn = await self._chat_prompt(req, request)
                 else:
                     prompt_ids = self._completion_prompt_ids(req)
                 gen_request = self._generation_request(req, prompt_ids)
+                if turn is not None:
+                    gen_request.session_id = turn.session_id
+                    span.set_attribute("llm.session_id", turn.session_id)
                 call = _Call(endpoint, gen_request.request_id, len(prompt_ids))
+                call.turn = turn
                 span.set_attribute("llm.request_id", call.request_id)
                 span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
                 span.set_attribute("llm.stream", req.stream)
@@ -322,6 +364,7 @@ class Ingress:
                 delta = await self._next(stream, deadline)
                 call.on_delta(delta)
                 parts.append(delta.text)
+            await self._commit_turn(call, "".join(parts))
         except BaseException as e:
             stream.cancel()
             if not isinstance(e, Exception):
@@ -390,11 +433,17 @@ class Ingress:
             return _sse(payload)
 
         status = 200
+        parts: list[str] = []
         try:
             if chat:
                 yield chunk("", None, role=True)
             delta = first
             while True:
+                parts.append(delta.text)
+                if delta.finish_reason is not None:
+                    # The turn is stored before the final chunk, so a client that saw
+                    # finish_reason knows its turn is in the session (or gets the 409).
+                    await self._commit_turn(call, "".join(parts))
                 if delta.text or delta.finish_reason:
                     yield chunk(delta.text, delta.finish_reason)
                 if delta.finish_reason is not None:
@@ -453,6 +502,42 @@ class IngressDeployment(Ingress):
             )
         return JSONResponse((await self.models())["data"][0])
 
+    def _require_sessions(self) -> SessionClient:
+        if self._sessions is None:
+            raise NotFoundError("Sessions are disabled on this server (dataplane.enabled).")
+        return self._sessions
+
+    @fastapi_app.post("/v1/sessions")
+    async def create_session(self, request: Request) -> Response:
+        try:
+            sessions = self._require_sessions()
+            ttl_s = None
+            if int(request.headers.get("content-length") or 0) > 0:
+                body = await self._read_json(request)
+                ttl_s = body.get("ttl_s")
+                if ttl_s is not None and (not isinstance(ttl_s, int) or not 1 <= ttl_s <= 30 * 86_400):
+                    raise InvalidRequestError("ttl_s must be an integer in [1, 2592000].", param="ttl_s")
+            record = await sessions.create(ttl_s)
+        except Exception as e:  # noqa: BLE001
+            return error_response(to_api_error(e))
+        return JSONResponse(session_json(record), status_code=201)
+
+    @fastapi_app.get("/v1/sessions/{session_id}")
+    async def get_session(self, session_id: str) -> Response:
+        try:
+            record = await self._require_sessions().get(session_id)
+        except Exception as e:  # noqa: BLE001
+            return error_response(to_api_error(e))
+        return JSONResponse(session_json(record))
+
+    @fastapi_app.delete("/v1/sessions/{session_id}")
+    async def delete_session(self, session_id: str) -> Response:
+        try:
+            await self._require_sessions().delete(session_id)
+        except Exception as e:  # noqa: BLE001
+            return error_response(to_api_error(e))
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+
     @fastapi_app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -464,7 +549,16 @@ class IngressDeployment(Ingress):
         except Exception as e:  # noqa: BLE001 - not ready, whatever the reason
             logger.info("not ready: %s", type(e).__name__)
             return JSONResponse({"status": "not_ready"}, status_code=503)
-        return JSONResponse({"status": "ready", "model": self._config.model.id})
+        body = {"status": "ready", "model": self._config.model.id}
+        if self._dataplane is not None:
+            # Redis being down degrades the data plane to memory only; still ready.
+            try:
+                status = await asyncio.wait_for(self._dataplane.status.remote(), timeout=5.0)
+                body["dataplane"] = "degraded" if status.get("degraded") else "ok"
+            except Exception as e:  # noqa: BLE001
+                logger.info("data plane status unavailable: %s", type(e).__name__)
+                body["dataplane"] = "unavailable"
+        return JSONResponse(body)
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:

@@ -80,6 +80,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Server-side context: the stored history goes in front of `messages` (also settable
+    # with the X-Session-Id header).
+    session_id: Optional[str] = Field(default=None, max_length=128)
 
 
 class CompletionRequest(_Request):

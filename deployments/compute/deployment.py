@@ -12,6 +12,7 @@ import uuid
 from typing import AsyncIterator, Callable, Optional
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 
 from app import telemetry
@@ -37,13 +38,19 @@ class ComputeWorker:
     async def __init__(
         self,
         config: dict,
-        engine_factory: Optional[Callable[[AppConfig], Engine]] = None,
+        dataplane: Optional[DeploymentHandle] = None,
+        engine_factory: Optional[Callable[..., Engine]] = None,
     ):
         self._config = AppConfig.model_validate(config)
         telemetry.setup(self._config.telemetry, "compute-worker")
         self._tracer = telemetry.tracer(__name__)
         started = time.monotonic()
-        self._engine = (engine_factory or create_engine)(self._config)
+        kv_connector = None
+        if dataplane is not None and self._config.dataplane.kv_reuse:
+            from deployments.dataplane.connector import DataPlaneKVConnector
+
+            kv_connector = DataPlaneKVConnector(dataplane, self._config.dataplane.block_size)
+        self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
         await self._engine.start()
         if self._config.engine.warmup:
             await self._warm_up()

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -25,6 +25,7 @@ from app import telemetry
 from app.config import AppConfig
 from app.errors import RateLimitError
 from app.telemetry import LATENCY_BUCKETS_S
+from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.protocol import GenerationRequest, TokenDelta
 from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER
@@ -57,8 +58,11 @@ class _Queued:
 
 
 class Router:
-    def __init__(self, worker: DeploymentHandle, config: dict):
+    def __init__(
+        self, worker: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
+    ):
         self._config = AppConfig.model_validate(config)
+        self._dataplane = dataplane
         telemetry.setup(self._config.telemetry, "router")
         self._tracer = telemetry.tracer(__name__)
         self._worker = worker.options(stream=True)
@@ -95,6 +99,36 @@ class Router:
         self._m_rejected = metrics.Counter(
             "llm_router_rejected", "Requests rejected because the queue was full."
         )
+        self._m_prefetch = metrics.Counter(
+            "llm_router_prefetch_requests", "Prefetches of session KV blocks asked of the data plane."
+        )
+        self._prefetch_tasks: set[asyncio.Task] = set()
+
+    def _prefetch(self, request: GenerationRequest) -> None:
+        """Ask the data plane to bring a session's blocks up to host memory while the
+        request waits here: compute (queueing) and data (fetching) overlap."""
+        if self._dataplane is None or request.session_id is None:
+            return
+        hashes = block_hashes(
+            self._config.model.id,
+            request.tenant,
+            request.prompt_token_ids[:-1],
+            self._config.dataplane.block_size,
+        )
+        if not hashes:
+            return
+        self._m_prefetch.inc()
+        task = asyncio.ensure_future(
+            self._dataplane.prefetch.remote(request.tenant, hashes, shard_key=hashes[0])
+        )
+        # Keep a reference until done; a failed prefetch only costs the later fetch.
+        self._prefetch_tasks.add(task)
+        task.add_done_callback(self._prefetch_done)
+
+    def _prefetch_done(self, task: asyncio.Task) -> None:
+        self._prefetch_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("prefetch failed: %r", task.exception())
 
     def _has_idle_worker(self) -> bool:
         # Placement spreads requests by queue length, so while this router has fewer
@@ -140,6 +174,7 @@ class Router:
         ctx = telemetry.extract_context(request.trace_headers)
         item = None
         try:
+            self._prefetch(request)
             await self._resolve_batching()
             with self._tracer.start_as_current_span("router.queue", context=ctx) as span:
                 item = _Queued(request, time.monotonic())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from deployments.compute.engines.protocol import Engine
 
 
-def _torch_engine(config) -> Engine:
+def _torch_engine(config, kv_connector=None) -> Engine:
     from deployments.compute.engines.torch_engine import TorchEngine
 
     return TorchEngine(
@@ -18,10 +18,13 @@ def _torch_engine(config) -> Engine:
         # Default: as many threads as CPUs Ray reserved for the replica.
         num_threads=config.engine.num_threads or max(1, int(config.compute.num_cpus)),
         max_model_len=config.model.max_model_len,
+        kv_connector=kv_connector,
+        model_id=config.model.id,
+        block_size=config.dataplane.block_size,
     )
 
 
-def _vllm_engine(config) -> Engine:
+def _vllm_engine(config, kv_connector=None) -> Engine:
     from deployments.compute.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_app_config(config)
@@ -30,10 +33,10 @@ def _vllm_engine(config) -> Engine:
 ENGINE_FACTORIES = {"torch": _torch_engine, "vllm": _vllm_engine}
 
 
-def create_engine(config) -> Engine:
+def create_engine(config, kv_connector=None) -> Engine:
     factory = ENGINE_FACTORIES.get(config.engine.name)
     if factory is None:
         raise ValueError(
             f"unknown engine {config.engine.name!r}; choose one of {sorted(ENGINE_FACTORIES)}"
         )
-    return factory(config)
+    return factory(config, kv_connector=kv_connector)

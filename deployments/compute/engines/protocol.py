@@ -47,6 +47,9 @@ class GenerationRequest:
     # W3C trace context (``traceparent``...) of the caller's span, so the worker's spans
     # join the request's trace across Serve hops.
     trace_headers: dict[str, str] = field(default_factory=dict)
+    # Whose request: KV blocks are keyed per tenant, so tenants never share cache.
+    tenant: str = "default"
+    session_id: Optional[str] = None
 
 
 @dataclass(slots=True)

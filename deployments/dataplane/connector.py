@@ -1,0 +1,122 @@
+"""The engine side of the data plane: a :class:`KVConnector` over a DeploymentHandle.
+
+``shard_key`` is the FIRST hash of a chain, so every block of one chain lives on one
+DataPlane shard and a lookup is one call. Any failure of the data plane (replica gone,
+timeout, Redis trouble surfacing as an error) is a miss, logged, never raised to the
+engine; ``save`` returns at once and only logs its errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Optional
+
+from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, Ewma, KVConnector, PrefixHit
+
+logger = logging.getLogger("ray.serve")
+
+# Remembered tier of recent lookups, so load() can attribute its time to a tier.
+_MAX_REMEMBERED = 4096
+
+
+class DataPlaneKVConnector(KVConnector):
+    def __init__(
+        self,
+        handle,
+        block_size: int,
+        *,
+        timeout_s: float = 5.0,
+        session_id: Optional[str] = None,
+        ewma_alpha: float = 0.3,
+    ):
+        self._handle = handle
+        self.block_size = block_size
+        self._timeout_s = timeout_s
+        self._session_id = session_id
+        self._bandwidth = {TIER_L2: Ewma(ewma_alpha), TIER_L3: Ewma(ewma_alpha)}
+        self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._pending: set[asyncio.Task] = set()
+        # The loop the connector was built on: ``save`` may be called from an engine's
+        # own thread, which has no loop of its own.
+        try:
+            self._loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+
+    async def _call(self, method: str, *args, shard_key: str, **kwargs):
+        ref = getattr(self._handle, method).remote(*args, shard_key=shard_key, **kwargs)
+        return await asyncio.wait_for(ref, self._timeout_s)
+
+    async def lookup(self, tenant: str, hashes: list[str]) -> PrefixHit:
+        if not hashes:
+            return PrefixHit(0)
+        try:
+            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0])
+        except Exception as e:
+            logger.warning("KV lookup failed, treating as a miss: %s", e)
+            return PrefixHit(0)
+        if hit.num_blocks:
+            self._tiers[(tenant, hashes[hit.num_blocks - 1])] = hit.tier
+            self._tiers.move_to_end((tenant, hashes[hit.num_blocks - 1]))
+            while len(self._tiers) > _MAX_REMEMBERED:
+                self._tiers.popitem(last=False)
+        return hit
+
+    async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes]]:
+        if not hashes:
+            return []
+        started = time.perf_counter()
+        try:
+            blocks = await self._call("get_blocks", tenant, hashes, shard_key=hashes[0])
+        except Exception as e:
+            logger.warning("KV load failed, treating as a miss: %s", e)
+            return None
+        if blocks is None or len(blocks) != len(hashes):
+            return None
+        tier = self._tiers.pop((tenant, hashes[-1]), None)
+        if tier in (TIER_L2, TIER_L3):
+            self.record_fetch(tier, sum(len(b) for b in blocks), time.perf_counter() - started)
+        return blocks
+
+    def save(
+        self, tenant: str, hashes: list[str], blocks: list[bytes], session_id: Optional[str] = None
+    ) -> None:
+        if not hashes:
+            return
+        coro = self._save(tenant, list(hashes), list(blocks), session_id or self._session_id)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            task = loop.create_task(coro)
+            # Held until done: the loop keeps only weak references to tasks.
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+        elif self._loop is not None and not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(coro, self._loop)
+        else:
+            coro.close()
+            logger.warning("KV save of %d blocks skipped: no event loop to run it on", len(hashes))
+
+    async def _save(self, tenant: str, hashes: list[str], blocks: list[bytes], session_id) -> None:
+        try:
+            await self._call("put_blocks", tenant, hashes, blocks, session_id, shard_key=hashes[0])
+        except Exception as e:
+            logger.warning("KV save of %d blocks failed (dropped): %s", len(hashes), e)
+
+    async def drain(self) -> None:
+        """Wait for pending saves (tests, shutdown)."""
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
+        if tier in self._bandwidth and num_bytes > 0 and seconds > 0:
+            self._bandwidth[tier].update(num_bytes / seconds)
+
+    def bandwidth_bytes_per_s(self, tier: str) -> Optional[float]:
+        ewma = self._bandwidth.get(tier)
+        return None if ewma is None or tier == TIER_NONE else ewma.value

@@ -1,0 +1,750 @@
+"""DataPlane: one shard of the data-plane pool (L2 host memory in front of L3 Redis).
+
+Keys are sharded by :mod:`deployments.dataplane.routing`: every public method takes a
+``shard_key`` keyword that only the request router reads (a session's id; a KV chain's
+first block hash, so one chain lives on one shard).
+
+Durability rules:
+
+* Sessions: while Redis is up, every write goes to Redis first and is acknowledged only
+  after Redis applied it (an append is one compare-and-set script), so a replica crash
+  loses no acknowledged turn. The replica keeps a copy in memory for degraded mode.
+* KV blocks: written into L2 as dirty and behind to Redis every ``sync_interval_ms``; an
+  eviction hands a dirty block to Redis before it is dropped. Blocks are a cache: a block
+  that cannot reach Redis (outage and memory full) is dropped, counted and logged.
+
+Degraded mode: when Redis is unreachable no request fails because of it. Sessions and
+blocks live in this replica's memory (appends compare-and-set on the in-memory version),
+``status()["degraded"]`` is True, a gauge says so and one log line marks each change. A
+background task retries every ``reconnect_interval_s``; when Redis answers, what was kept
+(newer sessions, deletions, dirty blocks) is written back before the flag clears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from typing import Callable, Iterable, Optional, Sequence
+
+from app import telemetry
+from app.config import AppConfig, DataPlaneConfig
+from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
+from deployments.dataplane import keys
+from deployments.dataplane.blocks import CorruptBlockError, decode_block
+from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
+from deployments.dataplane.tiers import Evicted, MemoryTier
+from deployments.dataplane.types import SessionRecord, new_session_id
+
+logger = logging.getLogger("ray.serve")
+
+# Sessions cached in memory while Redis is up (the degraded-mode fallback); unsynced
+# ones are never dropped by this bound.
+MAX_CACHED_SESSIONS = 100_000
+# Blocks per Redis round trip in write-behind and resync.
+WRITE_BATCH = 256
+
+SessionKey = tuple[str, str]  # (tenant, session id)
+
+
+def _copy(rec: SessionRecord) -> SessionRecord:
+    return dataclasses.replace(rec, messages=list(rec.messages))
+
+
+class _Metrics:
+    """ray.util.metrics when running under Ray; no-ops otherwise (unit tests)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from ray.util import metrics as m
+
+        self.hits = m.Counter("llm_dataplane_block_hits", "KV blocks found, by tier.", tag_keys=("tier",))
+        self.misses = m.Counter("llm_dataplane_block_misses", "KV block lookups that found nothing.")
+        self.corrupt = m.Counter("llm_dataplane_corrupt_blocks", "Blocks that failed their checksum, by tier.", tag_keys=("tier",))
+        self.bytes_in = m.Counter("llm_dataplane_bytes_in", "Block bytes stored by clients.")
+        self.bytes_out = m.Counter("llm_dataplane_bytes_out", "Block bytes returned to clients, by tier.", tag_keys=("tier",))
+        self.l2_used = m.Gauge("llm_dataplane_l2_used_bytes", "Bytes held in the L2 memory tier.")
+        self.evictions = m.Counter("llm_dataplane_l2_evictions", "Blocks evicted from L2.")
+        self.dropped = m.Counter("llm_dataplane_dropped_blocks", "Dirty blocks dropped because Redis was unreachable.")
+        self.degraded = m.Gauge("llm_dataplane_degraded", "1 while this replica cannot reach Redis.")
+        self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
+        self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
+
+    def inc(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
+        if self.enabled and value:
+            getattr(self, name).inc(value, tags=tags)
+
+    def set(self, name: str, value: float) -> None:
+        if self.enabled:
+            getattr(self, name).set(value)
+
+
+class DataPlane:
+    """Serve deployment class (bound by ``dataplane_deployment``)."""
+
+    def __init__(
+        self,
+        config: dict,
+        *,
+        store_factory: Optional[Callable[[DataPlaneConfig], RedisStore]] = None,
+        enable_metrics: bool = True,
+    ):
+        app_config = AppConfig.model_validate(config)
+        telemetry.setup(app_config.telemetry, "dataplane")
+        self._cfg: DataPlaneConfig = app_config.dataplane
+        self._l2 = MemoryTier(
+            self._cfg.l2_capacity_bytes,
+            high_watermark=self._cfg.high_watermark,
+            low_watermark=self._cfg.low_watermark,
+            policy=self._cfg.eviction_policy,
+        )
+        self._store = (store_factory or self._default_store)(self._cfg)
+        self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
+        self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
+        self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
+        self._pending_session_blocks: dict[SessionKey, set[str]] = defaultdict(set)
+        self._degraded = False
+        self._degraded_since: Optional[float] = None
+        self._m = _Metrics(enable_metrics)
+        self._counts: dict[str, int] = defaultdict(int)
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+
+    @staticmethod
+    def _default_store(cfg: DataPlaneConfig) -> RedisStore:
+        return RedisStore.from_config(cfg.redis, kv_ttl_s=cfg.kv_ttl_s)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check Redis and start the write-behind and reconnect loops (idempotent).
+        Called lazily by every method, so the class works without Serve too."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self._store.ping()
+            self._m.set("degraded", 0)
+        except RedisUnavailable as e:
+            self._set_degraded(True, str(e))
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._write_behind_loop()),
+            loop.create_task(self._reconnect_loop()),
+        ]
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if not self._degraded:
+            try:
+                await self._write_dirty_blocks()
+            except RedisUnavailable:
+                pass
+        await self._store.close()
+
+    # -- degraded mode ----------------------------------------------------------------
+
+    def _set_degraded(self, degraded: bool, reason: str = "") -> None:
+        if degraded == self._degraded:
+            return
+        self._degraded = degraded
+        self._m.set("degraded", 1 if degraded else 0)
+        if degraded:
+            self._degraded_since = time.time()
+            logger.warning(
+                "DataPlane: Redis unreachable (%s); serving from memory only (degraded), "
+                "retrying every %.1fs",
+                reason,
+                self._cfg.redis.reconnect_interval_s,
+            )
+        else:
+            logger.info(
+                "DataPlane: Redis reachable again after %.1fs; resynchronised, degraded "
+                "mode off",
+                time.time() - (self._degraded_since or time.time()),
+            )
+            self._degraded_since = None
+
+    async def _redis(self, coro_fn, *args, **kwargs):
+        """Run one store call. Raises RedisUnavailable at once while degraded, and
+        switches to degraded mode when the call finds Redis gone."""
+        if self._degraded:
+            raise RedisUnavailable("degraded")
+        try:
+            return await coro_fn(*args, **kwargs)
+        except RedisUnavailable as e:
+            self._set_degraded(True, str(e))
+            raise
+
+    async def _reconnect_loop(self) -> None:
+        # Pings while up too, so a replica with no traffic still reports an outage.
+        while True:
+            await asyncio.sleep(self._cfg.redis.reconnect_interval_s)
+            if not self._degraded:
+                try:
+                    await self._redis(self._store.ping)
+                except RedisUnavailable:
+                    pass
+                continue
+            try:
+                await self._store.ping()
+                await self._resync()
+            except RedisUnavailable:
+                continue
+            except Exception:  # a bug here must not end the loop
+                logger.exception("DataPlane: resync failed")
+
+    async def _resync(self) -> None:
+        """Write back what was kept in memory, then leave degraded mode. Loops until
+        nothing is left, then flips the flag with no await in between: a request that
+        changed memory during an await is written by the next pass."""
+        while True:
+            for key in list(self._deleted_sessions):
+                tenant, sid = key
+                await self._store.delete_session(tenant, sid)
+                await self._store.delete_session_blocks(tenant, sid)
+                self._deleted_sessions.discard(key)
+            for key in list(self._dirty_sessions):
+                rec = self._sessions.get(key)
+                if rec is not None and not rec.expired(time.time()):
+                    await self._store.put_session_if_newer(_copy(rec))
+                self._dirty_sessions.discard(key)
+            for key, members in list(self._pending_session_blocks.items()):
+                await self._store.add_session_blocks(
+                    key[0], key[1], sorted(members), self._cfg.sessions.cache_ttl_s
+                )
+                self._pending_session_blocks.pop(key, None)
+            await self._write_dirty_blocks()
+            if not (
+                self._deleted_sessions
+                or self._dirty_sessions
+                or self._pending_session_blocks
+                or self._l2.dirty
+            ):
+                self._set_degraded(False)
+                return
+
+    # -- KV blocks: write-behind ---------------------------------------------------------
+
+    async def _write_behind_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.sync_interval_ms / 1000)
+            if self._degraded or not self._l2.dirty:
+                continue
+            try:
+                await self._redis(self._write_dirty_blocks)
+            except RedisUnavailable:
+                pass
+            except Exception:
+                logger.exception("DataPlane: write-behind failed")
+
+    async def _write_blocks(self, items: Sequence[tuple[str, bytes]]) -> None:
+        by_tenant: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+        for key, value in items:
+            tenant, block_hash = keys.split_block_key(key)
+            by_tenant[tenant].append((block_hash, value))
+        for tenant, blocks in by_tenant.items():
+            for start in range(0, len(blocks), WRITE_BATCH):
+                chunk = blocks[start : start + WRITE_BATCH]
+                await self._store.put_blocks(tenant, [h for h, _ in chunk], [v for _, v in chunk])
+
+    async def _write_dirty_blocks(self) -> int:
+        items = self._l2.dirty_items()
+        if not items:
+            return 0
+        await self._write_blocks(items)
+        for key, value in items:
+            self._l2.mark_clean(key, value)  # unless re-put meanwhile
+        self._m.inc("written_behind", len(items))
+        self._counts["written_behind"] += len(items)
+        return len(items)
+
+    async def _handle_evicted(self, evicted: list[Evicted]) -> None:
+        """Hand dirty evictions to Redis before they are gone; count the rest."""
+        if not evicted:
+            return
+        self._counts["evictions"] += len(evicted)
+        self._m.inc("evictions", len(evicted))
+        dirty = [(e.key, e.value) for e in evicted if e.dirty]
+        if dirty:
+            try:
+                await self._redis(self._write_blocks, dirty)
+            except RedisUnavailable:
+                self._counts["dropped_blocks"] += len(dirty)
+                self._m.inc("dropped", len(dirty))
+                logger.warning(
+                    "DataPlane: dropped %d unsynced KV blocks evicted from L2 while Redis "
+                    "is unreachable",
+                    len(dirty),
+                )
+        self._m.set("l2_used", self._l2.used_bytes)
+
+    async def _put_l2(self, key: str, value: bytes, *, dirty: bool) -> None:
+        await self._handle_evicted(self._l2.put(key, value, dirty=dirty))
+
+    # -- KV blocks: public API ----------------------------------------------------------
+
+    async def put_blocks(
+        self,
+        tenant: str,
+        hashes: list[str],
+        blocks: list[bytes],
+        session_id: Optional[str] = None,
+        *,
+        shard_key: Optional[str] = None,
+    ) -> int:
+        """Store encoded blocks in L2 (written behind to Redis). Returns how many."""
+        await self.start()
+        if len(hashes) != len(blocks):
+            raise InvalidRequestError(
+                f"{len(hashes)} hashes but {len(blocks)} blocks", param="blocks"
+            )
+        for h, b in zip(hashes, blocks):
+            await self._put_l2(keys.block_key(tenant, h), b, dirty=True)
+        nbytes = sum(len(b) for b in blocks)
+        self._counts["bytes_in"] += nbytes
+        self._m.inc("bytes_in", nbytes)
+        self._m.set("l2_used", self._l2.used_bytes)
+        if session_id and hashes:
+            members = [keys.session_block_member(shard_key or hashes[0], h) for h in hashes]
+            try:
+                await self._redis(
+                    self._store.add_session_blocks,
+                    tenant,
+                    session_id,
+                    members,
+                    self._cfg.sessions.cache_ttl_s,
+                )
+            except RedisUnavailable:
+                self._pending_session_blocks[(tenant, session_id)].update(members)
+        return len(hashes)
+
+    async def lookup_prefix(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> PrefixHit:
+        """The longest leading run of ``hashes`` held in L2 or L3; ``tier`` is the
+        slowest tier among them. A Redis outage makes L3 look empty."""
+        await self.start()
+        sizes: list[Optional[int]] = [self._l2.size_of(keys.block_key(tenant, h)) for h in hashes]
+        tiers = [TIER_L2 if s is not None else TIER_NONE for s in sizes]
+        missing = [i for i, s in enumerate(sizes) if s is None]
+        if missing:
+            try:
+                l3 = await self._redis(self._store.block_sizes, tenant, [hashes[i] for i in missing])
+            except RedisUnavailable:
+                l3 = [None] * len(missing)
+            for i, size in zip(missing, l3):
+                if size is not None:
+                    sizes[i], tiers[i] = size, TIER_L3
+        hit = PrefixHit(num_blocks=0)
+        for size, tier in zip(sizes, tiers):
+            if size is None:
+                break
+            hit.num_blocks += 1
+            hit.num_bytes += size
+            if tier == TIER_L3 or hit.tier == TIER_NONE:
+                hit.tier = tier
+        for tier in (TIER_L2, TIER_L3):
+            n = tiers[: hit.num_blocks].count(tier)
+            self._counts[f"lookup_hits_{tier}"] += n
+            self._m.inc("hits", n, tags={"tier": tier})
+        if hit.num_blocks < len(hashes):
+            self._counts["lookup_misses"] += 1
+            self._m.inc("misses")
+        return hit
+
+    def _verify(self, data: bytes, tier: str) -> bool:
+        try:
+            decode_block(data)
+            return True
+        except CorruptBlockError as e:
+            self._counts["corrupt_blocks"] += 1
+            self._m.inc("corrupt", tags={"tier": tier})
+            logger.warning("DataPlane: corrupt KV block in %s treated as a miss: %s", tier, e)
+            return False
+
+    async def get_blocks(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> Optional[list[bytes]]:
+        """Every block of ``hashes`` in order (L2, else L3, promoting into L2), or None if
+        any is missing or corrupt (a corrupt block is deleted where it was found)."""
+        await self.start()
+        out: list[Optional[bytes]] = [None] * len(hashes)
+        for i, h in enumerate(hashes):
+            key = keys.block_key(tenant, h)
+            data = self._l2.get(key)
+            if data is None:
+                continue
+            if not self._verify(data, TIER_L2):
+                self._l2.delete(key)
+                return None
+            out[i] = data
+        missing = [i for i, d in enumerate(out) if d is None]
+        n_l2 = len(hashes) - len(missing)
+        if missing:
+            try:
+                fetched = await self._redis(self._store.get_blocks, tenant, [hashes[i] for i in missing])
+            except RedisUnavailable:
+                fetched = [None] * len(missing)
+            for i, data in zip(missing, fetched):
+                if data is None:
+                    self._counts["get_misses"] += 1
+                    self._m.inc("misses")
+                    return None
+                if not self._verify(data, TIER_L3):
+                    try:
+                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
+                    except RedisUnavailable:
+                        pass
+                    return None
+                out[i] = data
+            for i in missing:
+                await self._put_l2(keys.block_key(tenant, hashes[i]), out[i], dirty=False)
+        blocks = [d for d in out if d is not None]
+        l3_bytes = sum(len(out[i]) for i in missing)
+        l2_bytes = sum(len(b) for b in blocks) - l3_bytes
+        self._counts["bytes_out"] += l2_bytes + l3_bytes
+        self._m.inc("bytes_out", l2_bytes, tags={"tier": TIER_L2})
+        self._m.inc("bytes_out", l3_bytes, tags={"tier": TIER_L3})
+        self._m.inc("hits", n_l2, tags={"tier": TIER_L2})
+        self._m.inc("hits", len(missing), tags={"tier": TIER_L3})
+        self._counts["get_hits_L2"] += n_l2
+        self._counts["get_hits_L3"] += len(missing)
+        return blocks
+
+    async def prefetch(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> int:
+        """Bring blocks of ``hashes`` from L3 into L2; returns how many are now in L2."""
+        await self.start()
+        l2_keys = [keys.block_key(tenant, h) for h in hashes]
+        missing = [i for i, k in enumerate(l2_keys) if k not in self._l2]
+        if missing:
+            try:
+                fetched = await self._redis(self._store.get_blocks, tenant, [hashes[i] for i in missing])
+            except RedisUnavailable:
+                fetched = []
+            num_fetched = 0
+            for i, data in zip(missing, fetched):
+                if data is None:
+                    continue
+                if not self._verify(data, TIER_L3):
+                    try:
+                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
+                    except RedisUnavailable:
+                        pass
+                    continue
+                await self._put_l2(l2_keys[i], data, dirty=False)
+                num_fetched += 1
+            self._counts["prefetched"] += num_fetched
+            self._m.inc("prefetched", num_fetched)
+        return sum(k in self._l2 for k in l2_keys)
+
+    async def drop_l2_blocks(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> int:
+        """Remove blocks from this replica's L2 only (dirty or not). Used by
+        ``delete_session`` on the replica that owns each of the session's chains."""
+        n = self._l2.delete_many(keys.block_key(tenant, h) for h in hashes)
+        self._m.set("l2_used", self._l2.used_bytes)
+        return n
+
+    async def flush_l2(self, shard_key: Optional[str] = None) -> dict:
+        """Write dirty blocks to Redis, then empty L2 (benchmarks and tests). While
+        Redis is down, unsynced blocks stay (they exist nowhere else)."""
+        await self.start()
+        written = 0
+        try:
+            written = await self._redis(self._write_dirty_blocks)
+        except RedisUnavailable:
+            pass
+        kept = [e for e in self._l2.clear() if e.dirty]
+        for e in kept:
+            self._l2.put(e.key, e.value, dirty=True)
+        self._m.set("l2_used", self._l2.used_bytes)
+        return {"written": written, "kept_dirty": len(kept)}
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def _cache_session(self, rec: SessionRecord) -> None:
+        key = (rec.tenant, rec.id)
+        self._sessions[key] = _copy(rec)
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > MAX_CACHED_SESSIONS:
+            for old in self._sessions:
+                if old not in self._dirty_sessions:
+                    del self._sessions[old]
+                    break
+            else:
+                break
+
+    def _memory_session(self, tenant: str, session_id: str) -> Optional[SessionRecord]:
+        key = (tenant, session_id)
+        rec = self._sessions.get(key)
+        if rec is None:
+            return None
+        if rec.expired(time.time()):
+            del self._sessions[key]
+            self._dirty_sessions.discard(key)
+            return None
+        return rec
+
+    async def create_session(
+        self,
+        tenant: str,
+        ttl_s: Optional[int] = None,
+        session_id: Optional[str] = None,
+        *,
+        shard_key: Optional[str] = None,
+    ) -> SessionRecord:
+        """A new empty session (version 0). Pass ``session_id`` (see
+        ``types.new_session_id``) equal to ``shard_key`` so later calls on it reach this
+        shard; without one, ``shard_key`` or a fresh id is used."""
+        await self.start()
+        ttl = int(ttl_s or self._cfg.sessions.cache_ttl_s)
+        if ttl < 1:
+            raise InvalidRequestError(f"ttl_s must be >= 1, got {ttl_s}", param="ttl_s")
+        now = time.time()
+        rec = SessionRecord(
+            id=session_id or shard_key or new_session_id(),
+            tenant=tenant,
+            created=now,
+            expires_at=now + ttl,
+            ttl_s=ttl,
+        )
+        key = (tenant, rec.id)
+        try:
+            created = await self._redis(self._store.create_session, rec)
+        except RedisUnavailable:
+            if self._memory_session(tenant, rec.id) is not None:
+                created = False
+            else:
+                created = True
+                self._dirty_sessions.add(key)
+                self._deleted_sessions.discard(key)
+        if not created:
+            raise ConflictError(f"session {rec.id!r} already exists", param="session_id")
+        self._cache_session(rec)
+        return _copy(rec)
+
+    async def get_session(
+        self, tenant: str, session_id: str, *, shard_key: Optional[str] = None
+    ) -> Optional[SessionRecord]:
+        """The session (its expiry refreshed), or None if absent, expired or another
+        tenant's."""
+        await self.start()
+        key = (tenant, session_id)
+        try:
+            rec = await self._redis(self._store.get_session, tenant, session_id)
+        except RedisUnavailable:
+            rec = self._memory_session(tenant, session_id)
+            if rec is None:
+                return None
+            rec.expires_at = time.time() + rec.ttl_s
+            return _copy(rec)
+        if rec is None:
+            self._sessions.pop(key, None)
+            return None
+        self._cache_session(rec)
+        return rec
+
+    async def append_turn(
+        self,
+        tenant: str,
+        session_id: str,
+        expected_version: int,
+        messages: list[dict],
+        num_tokens: int,
+        *,
+        shard_key: Optional[str] = None,
+    ) -> SessionRecord:
+        """Append ``messages`` if the session is at ``expected_version``; ``num_tokens``
+        is what they add to the session's token count. Returns the updated record
+        (version + 1). 409 on a version mismatch, 404 if absent or expired. The turn is
+        in Redis when this returns (unless degraded: then in memory, synced later)."""
+        await self.start()
+        key = (tenant, session_id)
+        max_messages = self._cfg.sessions.max_messages
+        try:
+            result = await self._redis(
+                self._store.append,
+                tenant,
+                session_id,
+                expected_version,
+                messages,
+                num_tokens,
+                max_messages=max_messages,
+            )
+        except RedisUnavailable:
+            return self._append_in_memory(tenant, session_id, expected_version, messages, num_tokens)
+        if result.status == "missing":
+            self._sessions.pop(key, None)
+            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+        if result.status == "conflict":
+            raise self._conflict(session_id, expected_version, result.version)
+        if result.status == "too_many_messages":
+            raise InvalidRequestError(
+                f"session {session_id!r} would hold {result.version} messages, more than "
+                f"the limit of {max_messages}",
+                param="messages",
+            )
+        cached = self._sessions.get(key)
+        if cached is not None and cached.version == expected_version:
+            cached.messages.extend(messages)
+            cached.num_tokens += num_tokens
+            cached.version = result.version
+            cached.expires_at = time.time() + cached.ttl_s
+            self._sessions.move_to_end(key)
+            return _copy(cached)
+        rec = await self.get_session(tenant, session_id)
+        if rec is None:  # expired between the two calls
+            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+        return rec
+
+    @staticmethod
+    def _conflict(session_id: str, expected: int, current: int) -> ConflictError:
+        return ConflictError(
+            f"session {session_id!r} is at version {current}, not {expected}: another "
+            "turn was appended first; reload the session and retry",
+            param="expected_version",
+            code="session_version_conflict",
+        )
+
+    def _append_in_memory(
+        self, tenant: str, session_id: str, expected_version: int, messages: list[dict], num_tokens: int
+    ) -> SessionRecord:
+        # No await in here: the check and the write are atomic on this replica's loop.
+        rec = self._memory_session(tenant, session_id)
+        if rec is None:
+            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+        if rec.version != expected_version:
+            raise self._conflict(session_id, expected_version, rec.version)
+        if len(rec.messages) + len(messages) > self._cfg.sessions.max_messages:
+            raise InvalidRequestError(
+                f"session {session_id!r} would hold {len(rec.messages) + len(messages)} "
+                f"messages, more than the limit of {self._cfg.sessions.max_messages}",
+                param="messages",
+            )
+        rec.messages.extend(messages)
+        rec.num_tokens += num_tokens
+        rec.version += 1
+        rec.expires_at = time.time() + rec.ttl_s
+        self._dirty_sessions.add((tenant, session_id))
+        return _copy(rec)
+
+    async def delete_session(
+        self, tenant: str, session_id: str, *, shard_key: Optional[str] = None
+    ) -> bool:
+        """Erase the session and its KV blocks from L2 (on every shard holding them)
+        and L3. True if it existed."""
+        await self.start()
+        key = (tenant, session_id)
+        existed = self._memory_session(tenant, session_id) is not None
+        self._sessions.pop(key, None)
+        self._dirty_sessions.discard(key)
+        members = set(self._pending_session_blocks.pop(key, set()))
+        try:
+            existed = await self._redis(self._store.delete_session, tenant, session_id) or existed
+            members.update(await self._redis(self._store.delete_session_blocks, tenant, session_id))
+        except RedisUnavailable:
+            self._deleted_sessions.add(key)
+        await self._drop_blocks_everywhere(tenant, members)
+        return existed
+
+    async def _drop_blocks_everywhere(self, tenant: str, members: Iterable[str]) -> None:
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for m in members:
+            shard, block_hash = keys.split_session_block_member(m)
+            by_shard[shard].append(block_hash)
+        if not by_shard:
+            return
+        # Drop here first (cheap), then on the replica that owns each chain.
+        await self.drop_l2_blocks(tenant, [h for hs in by_shard.values() for h in hs])
+        handle = self._self_handle()
+        if handle is None:
+            return
+        calls = [
+            handle.drop_l2_blocks.remote(tenant, hs, shard_key=shard) for shard, hs in by_shard.items()
+        ]
+        for call in calls:
+            try:
+                await call
+            except Exception as e:  # the owner may be gone; its L2 went with it
+                logger.warning("DataPlane: could not drop session blocks on their shard: %s", e)
+
+    def _self_handle(self):
+        try:
+            from ray import serve
+
+            ctx = serve.get_replica_context()
+            return serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        except Exception:
+            return None
+
+    # -- status ------------------------------------------------------------------------
+
+    async def status(self, shard_key: Optional[str] = None) -> dict:
+        await self.start()
+        return {
+            "degraded": self._degraded,
+            "degraded_since": self._degraded_since,
+            "unsynced_sessions": len(self._dirty_sessions) + len(self._deleted_sessions),
+            "unsynced_blocks": len(self._l2.dirty),
+        }
+
+    async def stats(self, shard_key: Optional[str] = None) -> dict:
+        await self.start()
+        return {
+            **self._counts,
+            **self._identity(),
+            "degraded": self._degraded,
+            "l2_used_bytes": self._l2.used_bytes,
+            "l2_capacity_bytes": self._l2.capacity_bytes,
+            "l2_num_blocks": len(self._l2),
+            "l2_dirty_blocks": len(self._l2.dirty),
+            "l2_evictions": self._l2.num_evictions,
+            "sessions_in_memory": len(self._sessions),
+        }
+
+    @staticmethod
+    def _identity() -> dict:
+        """Which replica answered (tests use the actor name to kill it)."""
+        try:
+            import ray
+            from ray import serve
+
+            return {
+                "replica": serve.get_replica_context().replica_id.unique_id,
+                "actor_name": ray.get_runtime_context().get_actor_name(),
+            }
+        except Exception:
+            return {}
+
+    async def check_health(self) -> None:
+        # Degraded is not unhealthy: a replacement replica would not reach Redis either,
+        # and would lose what this one keeps in memory.
+        return None
+
+
+def dataplane_deployment(config: AppConfig):
+    """The DataPlane deployment with the options the config asks for."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    dp = config.dataplane
+    return serve.deployment(DataPlane).options(
+        name="DataPlane",
+        num_replicas=dp.num_replicas,
+        # Calls are short and mostly wait on Redis; Serve's default of 5 would queue them.
+        max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": dp.num_cpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.dataplane.routing:KeyAffinityRequestRouter",
+        ),
+    )

@@ -1,0 +1,361 @@
+"""L3: async Redis access for KV blocks and sessions (``redis.asyncio``).
+
+Every connection failure or timeout surfaces as :class:`RedisUnavailable`, the one
+exception the data plane catches to degrade to memory-only. Other Redis errors (a bad
+script, a wrong type) are bugs and propagate.
+
+Session records are one hash per session::
+
+    tenant, messages (JSON array), num_messages, num_tokens, version, created, expires, ttl_s
+
+and every change is a single Lua script, so a record is never half-written and an append
+is one atomic compare-and-set on ``version``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from app.config import RedisConfig
+from deployments.dataplane import keys
+from deployments.dataplane.types import SessionRecord
+
+# A payload outlives its index entry by this much, so an index entry that a reader sees
+# always has its payload (the index expires first).
+PAYLOAD_TTL_MARGIN_S = 60
+
+
+class RedisUnavailable(Exception):
+    """Redis could not be reached, or did not answer in time."""
+
+
+_CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def _unavailable(fn):
+    """Map connection failures to RedisUnavailable, after one retry on fresh connections.
+
+    After a Redis restart every pooled connection is dead, and redis-py's own retry only
+    re-dials the one it is using, so a call can still fail on the next stale one. On a
+    connection error we drop the idle pooled connections and try once more. Retrying is
+    safe for every call here: writes are idempotent (SET, DEL, SADD) or compare-and-set
+    (an append that did land the first time then reports a conflict, never a duplicate).
+    """
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args, **kwargs):
+        # (A wrapped call nested in another raises RedisUnavailable, which the outer
+        # one passes through without retrying again.)
+        try:
+            try:
+                return await fn(self, *args, **kwargs)
+            except _CONNECTION_ERRORS:
+                await self._r.connection_pool.disconnect(inuse_connections=False)
+                return await fn(self, *args, **kwargs)
+        except _CONNECTION_ERRORS as e:
+            # BusyLoadingError (Redis replaying its AOF) is a ConnectionError too.
+            raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
+
+    return wrapper
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    status: str  # "ok" | "conflict" | "missing" | "too_many_messages"
+    version: int = 0  # the new version ("ok") or the current one ("conflict")
+    record: Optional[SessionRecord] = None
+
+
+_APPEND = """
+-- KEYS[1] session; ARGV: expected_version, new messages (JSON array), num new messages,
+-- added tokens, now, max_messages
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+local v = tonumber(redis.call('HGET', KEYS[1], 'version'))
+if v ~= tonumber(ARGV[1]) then return {-2, v} end
+local n = tonumber(redis.call('HGET', KEYS[1], 'num_messages')) + tonumber(ARGV[3])
+if n > tonumber(ARGV[6]) then return {-3, n} end
+local old = redis.call('HGET', KEYS[1], 'messages')
+local new = ARGV[2]
+local merged
+-- Splice the two JSON arrays as text: decoding and re-encoding with cjson would turn
+-- an empty list into {} and rewrite numbers.
+if tonumber(ARGV[3]) == 0 then merged = old
+elseif old == '[]' then merged = new
+else merged = string.sub(old, 1, -2) .. ',' .. string.sub(new, 2) end
+local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_s'))
+local tokens = tonumber(redis.call('HGET', KEYS[1], 'num_tokens')) + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'messages', merged, 'num_messages', n, 'num_tokens', tokens,
+           'version', v + 1, 'expires', tonumber(ARGV[5]) + ttl)
+redis.call('EXPIRE', KEYS[1], ttl)
+return {v + 1, 0}
+"""
+
+_GET_AND_TOUCH = """
+-- KEYS[1] session; ARGV[1] now. Returns the fields after refreshing the expiry.
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_s'))
+redis.call('HSET', KEYS[1], 'expires', tonumber(ARGV[1]) + ttl)
+redis.call('EXPIRE', KEYS[1], ttl)
+return redis.call('HGETALL', KEYS[1])
+"""
+
+_CREATE = """
+-- KEYS[1] session; ARGV[1] ttl_s, then field/value pairs. 0 if the id is taken.
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return 1
+"""
+
+_PUT_IF_NEWER = """
+-- KEYS[1] session; ARGV[1] version, ARGV[2] ttl_s, then field/value pairs.
+-- Writes the record unless Redis holds the same or a newer version (resync after an
+-- outage must never roll back a turn acknowledged by Redis).
+local cur = redis.call('HGET', KEYS[1], 'version')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+return 1
+"""
+
+
+def _dumps(messages: Sequence[dict]) -> str:
+    return json.dumps(list(messages), separators=(",", ":"), ensure_ascii=False)
+
+
+def _record_fields(rec: SessionRecord) -> dict[str, str]:
+    return {
+        "tenant": rec.tenant,
+        "messages": _dumps(rec.messages),
+        "num_messages": str(len(rec.messages)),
+        "num_tokens": str(rec.num_tokens),
+        "version": str(rec.version),
+        "created": repr(rec.created),
+        "expires": repr(rec.expires_at),
+        "ttl_s": str(rec.ttl_s),
+    }
+
+
+def _record_from(session_id: str, fields: dict) -> SessionRecord:
+    def s(name: str) -> str:
+        v = fields[name.encode()] if name.encode() in fields else fields[name]
+        return v.decode() if isinstance(v, bytes) else v
+
+    return SessionRecord(
+        id=session_id,
+        tenant=s("tenant"),
+        messages=json.loads(s("messages")),
+        num_tokens=int(s("num_tokens")),
+        version=int(s("version")),
+        created=float(s("created")),
+        expires_at=float(s("expires")),
+        ttl_s=int(s("ttl_s")),
+    )
+
+
+class RedisStore:
+    """KV blocks and session records in Redis. Construct with :meth:`from_config`."""
+
+    def __init__(self, client: aioredis.Redis, *, kv_ttl_s: int, clock=time.time):
+        self._r = client
+        self._kv_ttl_s = kv_ttl_s
+        self._clock = clock
+        self._append = client.register_script(_APPEND)
+        self._get_touch = client.register_script(_GET_AND_TOUCH)
+        self._put_if_newer = client.register_script(_PUT_IF_NEWER)
+        self._create = client.register_script(_CREATE)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, *, kv_ttl_s: int, environ=os.environ) -> "RedisStore":
+        password = environ.get(cfg.password_env) if cfg.password_env else None
+        # rediss:// in the URL turns TLS on; redis-py reads it from the scheme.
+        client = aioredis.Redis.from_url(
+            cfg.url,
+            password=password or None,
+            max_connections=cfg.pool_size,
+            socket_timeout=cfg.socket_timeout_s,
+            socket_connect_timeout=cfg.connect_timeout_s,
+            # One immediate retry re-dials a pooled connection that a Redis restart
+            # broke; more would only delay noticing an outage (we degrade instead).
+            retry=Retry(NoBackoff(), 1),
+            retry_on_timeout=False,
+        )
+        return cls(client, kv_ttl_s=kv_ttl_s)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._r
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    @_unavailable
+    async def ping(self) -> bool:
+        return bool(await self._r.ping())
+
+    # -- KV blocks -----------------------------------------------------------------
+
+    @_unavailable
+    async def put_block(self, tenant: str, block_hash: str, data: bytes, ttl_s: Optional[int] = None) -> None:
+        await self.put_blocks(tenant, [block_hash], [data], ttl_s)
+
+    @_unavailable
+    async def put_blocks(
+        self,
+        tenant: str,
+        hashes: Sequence[str],
+        blocks: Sequence[bytes],
+        ttl_s: Optional[int] = None,
+    ) -> None:
+        ttl = ttl_s or self._kv_ttl_s
+        pipe = self._r.pipeline(transaction=False)
+        for h, data in zip(hashes, blocks, strict=True):
+            # Payload FIRST, then the index entry that marks it present: a reader that
+            # sees the index (lookup/has_blocks) must find the payload. A pipeline runs
+            # its commands in order on one connection, so the order holds.
+            pipe.set(keys.block_key(tenant, h), data, ex=ttl + PAYLOAD_TTL_MARGIN_S)
+            pipe.set(keys.block_index_key(tenant, h), len(data), ex=ttl)
+        await pipe.execute()
+
+    @_unavailable
+    async def get_block(self, tenant: str, block_hash: str) -> Optional[bytes]:
+        return await self._r.get(keys.block_key(tenant, block_hash))
+
+    @_unavailable
+    async def get_blocks(self, tenant: str, hashes: Sequence[str]) -> list[Optional[bytes]]:
+        if not hashes:
+            return []
+        return await self._r.mget([keys.block_key(tenant, h) for h in hashes])
+
+    @_unavailable
+    async def block_sizes(self, tenant: str, hashes: Sequence[str]) -> list[Optional[int]]:
+        """Payload length of each block whose index entry is present, else None."""
+        if not hashes:
+            return []
+        values = await self._r.mget([keys.block_index_key(tenant, h) for h in hashes])
+        return [None if v is None else int(v) for v in values]
+
+    async def has_blocks(self, tenant: str, hashes: Sequence[str]) -> list[bool]:
+        return [size is not None for size in await self.block_sizes(tenant, hashes)]
+
+    @_unavailable
+    async def delete_blocks(self, tenant: str, hashes: Sequence[str]) -> int:
+        if not hashes:
+            return 0
+        # Index first: a reader must not find an index entry whose payload is gone.
+        pipe = self._r.pipeline(transaction=False)
+        pipe.delete(*[keys.block_index_key(tenant, h) for h in hashes])
+        pipe.delete(*[keys.block_key(tenant, h) for h in hashes])
+        _, n = await pipe.execute()
+        return int(n)
+
+    async def delete(self, tenant: str, block_hash: str) -> int:
+        return await self.delete_blocks(tenant, [block_hash])
+
+    @_unavailable
+    async def add_session_blocks(
+        self, tenant: str, session_id: str, members: Sequence[str], ttl_s: int
+    ) -> None:
+        if not members:
+            return
+        key = keys.session_blocks_key(tenant, session_id)
+        pipe = self._r.pipeline(transaction=False)
+        pipe.sadd(key, *members)
+        pipe.expire(key, max(ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S)
+        await pipe.execute()
+
+    @_unavailable
+    async def session_block_members(self, tenant: str, session_id: str) -> list[str]:
+        members = await self._r.smembers(keys.session_blocks_key(tenant, session_id))
+        return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+
+    @_unavailable
+    async def delete_session_blocks(self, tenant: str, session_id: str) -> list[str]:
+        """Delete every block recorded for the session, and the record of them. Returns
+        the members ("<shard_key>|<hash>") so the caller can drop L2 copies too."""
+        members = await self.session_block_members(tenant, session_id)
+        hashes = [keys.split_session_block_member(m)[1] for m in members]
+        for start in range(0, len(hashes), 512):
+            await self.delete_blocks(tenant, hashes[start : start + 512])
+        await self._r.delete(keys.session_blocks_key(tenant, session_id))
+        return members
+
+    # -- sessions ------------------------------------------------------------------
+
+    @_unavailable
+    async def create_session(self, rec: SessionRecord) -> bool:
+        """Store a new session; False (nothing written) if the id is already taken."""
+        flat = [x for kv in _record_fields(rec).items() for x in kv]
+        created = await self._create(
+            keys=[keys.session_key(rec.tenant, rec.id)], args=[rec.ttl_s, *flat]
+        )
+        return bool(created)
+
+    @_unavailable
+    async def get_session(self, tenant: str, session_id: str) -> Optional[SessionRecord]:
+        """The session, its expiry refreshed; None if absent or expired."""
+        flat = await self._get_touch(keys=[keys.session_key(tenant, session_id)], args=[self._clock()])
+        if not flat:
+            return None
+        fields = dict(zip(flat[::2], flat[1::2]))
+        rec = _record_from(session_id, fields)
+        return rec if rec.tenant == tenant else None
+
+    @_unavailable
+    async def append(
+        self,
+        tenant: str,
+        session_id: str,
+        expected_version: int,
+        new_messages: Sequence[dict],
+        num_tokens: int,
+        *,
+        max_messages: int = 1 << 30,
+    ) -> AppendResult:
+        """Atomically append if the stored version equals ``expected_version``.
+        ``num_tokens``: the tokens the new messages add to the session's count."""
+        code, extra = await self._append(
+            keys=[keys.session_key(tenant, session_id)],
+            args=[
+                int(expected_version),
+                _dumps(new_messages),
+                len(new_messages),
+                int(num_tokens),
+                self._clock(),
+                max_messages,
+            ],
+        )
+        code, extra = int(code), int(extra)
+        if code == -1:
+            return AppendResult("missing")
+        if code == -2:
+            return AppendResult("conflict", version=extra)
+        if code == -3:
+            return AppendResult("too_many_messages", version=extra)
+        return AppendResult("ok", version=code)
+
+    @_unavailable
+    async def put_session_if_newer(self, rec: SessionRecord) -> bool:
+        fields = _record_fields(rec)
+        flat = [x for kv in fields.items() for x in kv]
+        ttl = max(1, int(rec.expires_at - self._clock()))
+        written = await self._put_if_newer(
+            keys=[keys.session_key(rec.tenant, rec.id)], args=[rec.version, ttl, *flat]
+        )
+        return bool(written)
+
+    @_unavailable
+    async def delete_session(self, tenant: str, session_id: str) -> bool:
+        return bool(await self._r.delete(keys.session_key(tenant, session_id)))

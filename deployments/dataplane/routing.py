@@ -1,0 +1,136 @@
+"""Routing of data-plane calls to the replica that owns the key.
+
+:class:`HashRing` is pure logic (consistent hashing with virtual nodes; positions come
+from blake2b, never Python's per-process ``hash()``, so every process that knows the same
+replica ids computes the same owner). :class:`KeyAffinityRequestRouter` plugs it into
+Ray Serve as the DataPlane deployment's request router: a call's ``shard_key`` keyword
+picks the owner, then the next distinct replicas on the ring as fallbacks (Serve moves to
+a fallback only when the owner is full). A call without ``shard_key`` may go anywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+from typing import Hashable, Iterable, List, Optional
+
+logger = logging.getLogger("ray.serve")
+
+SHARD_KEY_KWARG = "shard_key"
+DEFAULT_VNODES = 128
+NUM_FALLBACKS = 2
+
+
+def _position(label: str) -> int:
+    return int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES):
+        if vnodes < 1:
+            raise ValueError("vnodes must be >= 1")
+        self.vnodes = vnodes
+        self._nodes: set[str] = set()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        for node in nodes:
+            self._nodes.add(node)
+        self._rebuild()
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def add(self, node: str) -> None:
+        if node not in self._nodes:
+            self._nodes.add(node)
+            self._rebuild()
+
+    def remove(self, node: str) -> None:
+        if node in self._nodes:
+            self._nodes.discard(node)
+            self._rebuild()
+
+    def set_nodes(self, nodes: Iterable[str]) -> None:
+        nodes = set(nodes)
+        if nodes != self._nodes:
+            self._nodes = nodes
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        # Sorted by (position, node): identical in every process for the same node set,
+        # including the (astronomically rare) tie of two positions.
+        points = sorted(
+            (_position(f"{node}#{i}"), node) for node in self._nodes for i in range(self.vnodes)
+        )
+        self._points = [p for p, _ in points]
+        self._owners = [n for _, n in points]
+
+    def owner(self, key: str) -> Optional[str]:
+        owners = self.owners(key, 1)
+        return owners[0] if owners else None
+
+    def owners(self, key: str, n: int) -> list[str]:
+        """The owner of ``key`` then the next distinct nodes clockwise, ``n`` at most."""
+        if not self._points:
+            return []
+        out: list[str] = []
+        start = bisect.bisect_right(self._points, _position(key))
+        for i in range(len(self._points)):
+            node = self._owners[(start + i) % len(self._points)]
+            if node not in out:
+                out.append(node)
+                if len(out) >= n or len(out) == len(self._nodes):
+                    break
+        return out
+
+
+try:  # Ray is absent in pure unit-test environments of the ring above.
+    from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+except ImportError:  # pragma: no cover
+    RequestRouter = object  # type: ignore[assignment,misc]
+
+
+def replica_key(replica_id) -> str:
+    """A replica's name on the ring: its unique id, the same string in every process."""
+    return str(getattr(replica_id, "unique_id", replica_id))
+
+
+class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
+    """Serve request router: the replica that owns ``shard_key`` on the hash ring."""
+
+    def initialize_state(self, **kwargs):
+        self._ring = HashRing(vnodes=int(kwargs.get("vnodes", DEFAULT_VNODES)))
+
+    def update_replicas(self, replicas: List["RunningReplica"]):
+        result = super().update_replicas(replicas)
+        # The ring spans every running replica, not only those with room right now, so
+        # a key's owner does not move when a replica is briefly full.
+        self._ring.set_nodes(replica_key(r.replica_id) for r in replicas)
+        return result
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List["RunningReplica"],
+        pending_request: Optional["PendingRequest"] = None,
+    ) -> List[List["RunningReplica"]]:
+        if not candidate_replicas:
+            return []
+        shard_key = pending_request.kwargs.get(SHARD_KEY_KWARG) if pending_request else None
+        if shard_key is None:
+            # Any replica: one rank, Serve picks the least loaded of them.
+            return [list(candidate_replicas)]
+        by_key: dict[Hashable, "RunningReplica"] = {
+            replica_key(r.replica_id): r for r in candidate_replicas
+        }
+        ring = self._ring
+        if any(k not in ring._nodes for k in by_key):  # candidates ahead of update_replicas
+            ring = HashRing(set(ring._nodes) | set(by_key), vnodes=ring.vnodes)
+        ranked = [by_key[k] for k in ring.owners(str(shard_key), len(ring)) if k in by_key]
+        if not ranked:
+            return [list(candidate_replicas)]
+        return [[r] for r in ranked[: 1 + NUM_FALLBACKS]]

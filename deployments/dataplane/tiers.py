@@ -1,0 +1,212 @@
+"""L2: the host-memory tier of one data-plane actor. Pure logic: no Ray, no Redis.
+
+A byte-bounded map from key to bytes. When usage passes the high watermark, entries are
+evicted (least recently used, or least frequently used with ties broken by recency) until
+usage is at or below the low watermark: evicting in one sweep down to a lower mark, rather
+than one entry per put, keeps the cost of choosing victims (a sort for LFU) amortised over
+many puts.
+
+Write-behind: entries put with ``dirty=True`` are not yet in L3 (Redis). The tier never
+drops a dirty entry silently: every eviction is returned to the caller as an
+:class:`Evicted` with its value and dirty flag, so the caller can write it to L3 first.
+Pinned entries are never evicted (a caller pins what it is in the middle of using).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional
+
+Policy = Literal["lru", "lfu"]
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    key: str
+    value: bytes
+    # True: the value never reached L3; the caller must write it there or count it lost.
+    dirty: bool
+
+
+@dataclass(slots=True)
+class _Entry:
+    value: bytes
+    freq: int
+    last_use: int
+    pinned: bool
+
+
+class MemoryTier:
+    """Byte-bounded LRU/LFU map with watermarks and a write-behind dirty set."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        high_watermark: float = 0.85,
+        low_watermark: float = 0.70,
+        policy: Policy = "lru",
+    ):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if not 0 < low_watermark < high_watermark <= 1:
+            raise ValueError(
+                f"need 0 < low_watermark ({low_watermark}) < high_watermark "
+                f"({high_watermark}) <= 1"
+            )
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"policy must be 'lru' or 'lfu', got {policy!r}")
+        self.capacity_bytes = capacity_bytes
+        self.policy: Policy = policy
+        self._high_bytes = int(capacity_bytes * high_watermark)
+        self._low_bytes = int(capacity_bytes * low_watermark)
+        # Insertion order is recency order (move_to_end on every use): LRU victims are
+        # at the front, and LFU uses ``last_use`` to break frequency ties.
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._tick = itertools.count()
+        self._used = 0
+        self._dirty: set[str] = set()
+        self.num_evictions = 0
+
+    # -- reads ---------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def dirty(self) -> frozenset[str]:
+        """Keys whose values are not yet written to L3."""
+        return frozenset(self._dirty)
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The value, counted as a use (recency and frequency); None on a miss."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._touch(key, entry)
+        return entry.value
+
+    def peek(self, key: str) -> Optional[bytes]:
+        """The value without counting a use."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.value
+
+    def size_of(self, key: str) -> Optional[int]:
+        entry = self._entries.get(key)
+        return None if entry is None else len(entry.value)
+
+    def keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    def dirty_items(self) -> list[tuple[str, bytes]]:
+        return [(k, self._entries[k].value) for k in self._dirty]
+
+    # -- writes --------------------------------------------------------------------
+
+    def put(
+        self, key: str, value: bytes, *, dirty: bool = False, pinned: bool = False
+    ) -> list[Evicted]:
+        """Insert or replace ``key``; returns what had to be evicted to make room.
+
+        Replacing keeps the entry's use count (it is the same key, used again). A
+        replacement that is clean does not clear a pending dirty flag: the older write
+        still has to reach L3 unless the caller says otherwise via :meth:`mark_clean`.
+        A value larger than the whole tier is not stored; it comes back as evicted.
+        """
+        value = bytes(value)
+        old = self._entries.get(key)
+        if len(value) > self._high_bytes:
+            # Cannot fit even alone: hand it straight back, and drop any older copy.
+            evicted = []
+            if old is not None:
+                self._remove(key)
+            evicted.append(Evicted(key, value, dirty or key in self._dirty))
+            self._dirty.discard(key)
+            self.num_evictions += 1
+            return evicted
+        if old is not None:
+            self._used -= len(old.value)
+            old.value = value
+            old.pinned = pinned or old.pinned
+            self._touch(key, old)
+        else:
+            self._entries[key] = _Entry(value, 1, next(self._tick), pinned)
+        self._used += len(value)
+        if dirty:
+            self._dirty.add(key)
+        return self._evict_if_needed()
+
+    def mark_clean(self, key: str, value: Optional[bytes] = None) -> None:
+        """``key`` has been written to L3. With ``value``, only if that is still the
+        stored value (a newer put in between stays dirty)."""
+        entry = self._entries.get(key)
+        if entry is None or (value is not None and entry.value is not value):
+            return
+        self._dirty.discard(key)
+
+    def pin(self, key: str, pinned: bool = True) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.pinned = pinned
+
+    def delete(self, key: str) -> Optional[bytes]:
+        """Remove ``key`` (dirty or not: the caller deletes on purpose)."""
+        if key not in self._entries:
+            return None
+        value = self._entries[key].value
+        self._remove(key)
+        return value
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        return sum(self.delete(k) is not None for k in list(keys))
+
+    def clear(self) -> list[Evicted]:
+        """Drop everything; dirty entries come back so the caller can write them."""
+        out = [Evicted(k, e.value, k in self._dirty) for k, e in self._entries.items()]
+        self._entries.clear()
+        self._dirty.clear()
+        self._used = 0
+        return out
+
+    # -- internals -----------------------------------------------------------------
+
+    def _touch(self, key: str, entry: _Entry) -> None:
+        entry.freq += 1
+        entry.last_use = next(self._tick)
+        self._entries.move_to_end(key)
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._used -= len(entry.value)
+        self._dirty.discard(key)
+
+    def _victims(self) -> Iterable[str]:
+        if self.policy == "lru":
+            return [k for k, e in self._entries.items() if not e.pinned]
+        # LFU: fewest uses first; equal counts, least recently used first.
+        candidates = [(e.freq, e.last_use, k) for k, e in self._entries.items() if not e.pinned]
+        candidates.sort()
+        return [k for _, _, k in candidates]
+
+    def _evict_if_needed(self) -> list[Evicted]:
+        if self._used <= self._high_bytes:
+            return []
+        evicted: list[Evicted] = []
+        for key in self._victims():
+            if self._used <= self._low_bytes:
+                break
+            entry = self._entries[key]
+            evicted.append(Evicted(key, entry.value, key in self._dirty))
+            self._remove(key)
+            self.num_evictions += 1
+        return evicted

@@ -1,0 +1,30 @@
+"""Typed records the data plane hands across its boundary."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_session_id() -> str:
+    """A fresh session id. Callers create it and pass it both as ``session_id`` and as
+    ``shard_key`` of ``DataPlane.create_session``, so every later call on the session is
+    routed to the same replica (which matters while Redis is down)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    id: str
+    tenant: str
+    messages: list[dict] = field(default_factory=list)
+    num_tokens: int = 0
+    # Starts at 0 on create; each successful append adds one.
+    version: int = 0
+    created: float = 0.0
+    # Unix time after which the session is gone unless used again (each use refreshes).
+    expires_at: float = 0.0
+    ttl_s: int = 0
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at

@@ -1,0 +1,183 @@
+"""Multi-turn chat benchmark: time to first token per turn with KV reuse from host memory
+(L2), from Redis (L3) and with reuse off (recompute), side by side in one run.
+
+    python -m loadtests.multiturn [--preset small] [--turns 8] [--rounds 2] [--out FILE]
+
+Each conversation is a server-side session (X-Session-Id); every turn sends only its new
+user message (about --turn-tokens tokens), the reply is --reply-tokens long, so the
+context grows to about turns × (turn + reply) tokens. Modes, alternated per round so that
+drift on a shared machine hits them alike:
+
+* ``l2``: KV reuse on; blocks stay in the data plane's host memory between turns;
+* ``l3``: KV reuse on; the data plane's host memory is flushed before every turn, so the
+  blocks come back from Redis;
+* ``recompute``: KV reuse off (``dataplane.kv_reuse: false``); every turn prefills its
+  whole context.
+
+Turn 1 has nothing to reuse in any mode: its TTFT with reuse on versus off is the cost of a
+miss (lookup + export). Starts its own Redis and Ray; needs the `redis-server` binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = (
+    "river stone light garden window morning silver quiet harbor market letter bridge "
+    "forest winter candle meadow thunder pocket lantern orchard valley whisper copper "
+    "journey signal anchor feather shadow compass ribbon marble canyon glacier"
+).split()
+
+
+def _say(msg: str) -> None:
+    print(f"[multiturn] {msg}", file=sys.stderr, flush=True)
+
+
+def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int) -> dict:
+    return {
+        "model": {"id": "bench", "path": str(model_path)},
+        "engine": {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8},
+        "compute": {"num_replicas": 1, "num_cpus": 1},
+        "router": {"max_batch_size": 1},
+        "limits": {"default_max_tokens": 64},
+        "dataplane": {
+            "enabled": True,
+            "kv_reuse": kv_reuse,
+            "num_replicas": 2,
+            "redis": {"url": redis_url},
+        },
+    }
+
+
+def wait_ready(base_url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/ready", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
+
+
+def flush_l2(app_name: str) -> None:
+    """Drop every data-plane replica's host-memory tier (dirty blocks go to Redis first)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DataPlane", app_name=app_name)
+    # Keys spread over the hash ring: enough distinct ones reach every replica.
+    for i in range(32):
+        handle.flush_l2.remote(shard_key=f"flush-{i}").result(timeout_s=60)
+
+
+def ttft_of_turn(client: httpx.Client, sid: str, text: str, reply_tokens: int) -> float:
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": reply_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    ttft = None
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"turn failed: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("no content in the stream")
+    return ttft
+
+
+def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> list[float]:
+    rng = random.Random(seed)
+    ttfts = []
+    with httpx.Client(base_url=base_url, timeout=600) as client:
+        sid = client.post("/v1/sessions").json()["id"]
+        for t in range(args.turns):
+            text = " ".join(rng.choice(WORDS) for _ in range(args.turn_tokens))
+            if mode == "l3":
+                flush_l2(app_name)
+            ttfts.append(ttft_of_turn(client, sid, text, args.reply_tokens))
+            _say(f"  {mode} turn {t + 1}: ttft {1000 * ttfts[-1]:.0f} ms")
+        client.delete(f"/v1/sessions/{sid}")
+    return ttfts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.multiturn")
+    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--turn-tokens", type=int, default=220, help="words per user turn")
+    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--out", default="loadtests/results/multiturn.json")
+    args = p.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+    from app.local_redis import LocalRedis
+    from app.model_builder import ensure_model
+
+    model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
+    base_url = f"http://127.0.0.1:{args.port}"
+    runs: dict[str, list[list[float]]] = {"l2": [], "l3": [], "recompute": []}
+    with LocalRedis() as redis:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        for rnd in range(args.rounds):
+            for kv_reuse, modes in ((True, ("l2", "l3")), (False, ("recompute",))):
+                _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse}")
+                serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+                serve.run(
+                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads)),
+                    name="bench",
+                    route_prefix="/",
+                    blocking=False,
+                )
+                wait_ready(base_url)
+                for mode in modes:
+                    seed = 1000 * rnd + len(runs[mode])
+                    runs[mode].append(conversation(base_url, mode, args, seed, "bench"))
+                serve.shutdown()
+        ray.shutdown()
+
+    def per_turn(mode: str) -> list[float]:
+        return [1000 * statistics.median(c[t] for c in runs[mode]) for t in range(args.turns)]
+
+    table = {mode: per_turn(mode) for mode in runs}
+    late = range(3, args.turns)  # turns >= 4
+    ratios = {
+        "recompute_over_l2_turns_ge4": statistics.median(table["recompute"][t] / table["l2"][t] for t in late),
+        "recompute_over_l3_turns_ge4": statistics.median(table["recompute"][t] / table["l3"][t] for t in late),
+        "miss_cost_turn1_l2_over_recompute": table["l2"][0] / table["recompute"][0],
+    }
+    print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median TTFT, ms)")
+    for t in range(args.turns):
+        print(f"{t + 1:>4}  " + "".join(f"{table[m][t]:>12.1f}" for m in table))
+    print(json.dumps(ratios, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "raw_s": runs}, indent=2))
+    _say(f"stored {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""DataPlane through a real Ray Serve deployment (2 replicas, key-affinity routing) and a
+real redis-server: sessions, KV blocks through L2 and L3, corruption, Redis outage and
+recovery, replica death."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from app.config import AppConfig
+from app.errors import ConflictError, NotFoundError
+from deployments.compute.engines.kv import TIER_L2, TIER_L3, block_hashes
+from deployments.dataplane import keys
+from deployments.dataplane.blocks import BlockHeader, encode_block
+from deployments.dataplane.connector import DataPlaneKVConnector
+from deployments.dataplane.types import new_session_id
+from tests.fixtures.redis import redis_client, redis_server  # noqa: F401  (until conftest wires the plugin)
+
+pytestmark = pytest.mark.integration
+
+APP_NAME = "dataplane-test"
+BLOCK_SIZE = 4
+
+
+def dataplane_args(redis_url: str) -> dict:
+    return {
+        "dataplane": {
+            "num_replicas": 2,
+            "num_cpus": 0.1,
+            "block_size": BLOCK_SIZE,
+            "l2_capacity_bytes": 1 << 20,
+            "sync_interval_ms": 50,
+            "redis": {
+                "url": redis_url,
+                "password_env": None,
+                "socket_timeout_s": 0.5,
+                "connect_timeout_s": 0.5,
+                "reconnect_interval_s": 0.2,
+            },
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def dataplane(ray_cluster, redis_server):  # noqa: F811
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from deployments.dataplane.deployment import dataplane_deployment
+
+    try:
+        serve_was_running = _get_global_client() is not None
+    except Exception:
+        serve_was_running = False
+    args = dataplane_args(redis_server.url)
+    config = AppConfig.model_validate(args)
+    app = dataplane_deployment(config).bind(config.model_dump(mode="json"))
+    handle = serve.run(app, name=APP_NAME, route_prefix=None)
+    yield handle
+    serve.delete(APP_NAME)
+    if not serve_was_running:
+        # Let a later fixture start Serve with its own HTTP options.
+        serve.shutdown()
+
+
+def make_blocks(tenant: str, n: int, seed: int = 0) -> tuple[list[str], list[bytes]]:
+    token_ids = [seed * 1000 + i for i in range(n * BLOCK_SIZE)]
+    hashes = block_hashes("m", tenant, token_ids, BLOCK_SIZE)
+    blocks = [
+        encode_block(BlockHeader("float32", (1, 2, 1, BLOCK_SIZE, 8)), bytes([(seed + i) % 256]) * 256)
+        for i in range(n)
+    ]
+    return hashes, blocks
+
+
+def tenant_name() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+async def new_session(dp, tenant: str, **kwargs):
+    sid = new_session_id()
+    return await dp.create_session.remote(tenant, session_id=sid, shard_key=sid, **kwargs)
+
+
+async def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval_s)
+
+
+async def test_session_create_get_append_delete(dataplane, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    rec = await new_session(dataplane, tenant)
+    sid = rec.id
+    assert (rec.tenant, rec.version, rec.messages, rec.num_tokens) == (tenant, 0, [], 0)
+    assert redis_client.exists(keys.session_key(tenant, sid))
+
+    got = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+    assert got.id == sid and got.version == 0
+
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rec = await dataplane.append_turn.remote(tenant, sid, 0, turn, 7, shard_key=sid)
+    assert rec.version == 1 and rec.messages == turn and rec.num_tokens == 7
+    rec = await dataplane.append_turn.remote(tenant, sid, 1, [{"role": "user", "content": "2"}], 3, shard_key=sid)
+    assert rec.version == 2 and rec.num_tokens == 10
+    got = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+    assert got.messages == [*turn, {"role": "user", "content": "2"}] and got.version == 2
+
+    with pytest.raises(ConflictError, match="version 2, not 1"):
+        await dataplane.append_turn.remote(tenant, sid, 1, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+    with pytest.raises(ConflictError):
+        await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
+
+    assert await dataplane.delete_session.remote(tenant, sid, shard_key=sid) is True
+    assert not redis_client.exists(keys.session_key(tenant, sid))
+    assert await dataplane.get_session.remote(tenant, sid, shard_key=sid) is None
+    with pytest.raises(NotFoundError):
+        await dataplane.append_turn.remote(tenant, sid, 2, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+
+
+async def test_racing_appends_one_wins_and_no_turn_is_lost(dataplane):
+    tenant = tenant_name()
+    sid = (await new_session(dataplane, tenant)).id
+    n = 8
+
+    async def append(i: int, version: int):
+        msg = [{"role": "user", "content": f"turn-{i}"}]
+        return await dataplane.append_turn.remote(tenant, sid, version, msg, 1, shard_key=sid)
+
+    results = await asyncio.gather(*(append(i, 0) for i in range(n)), return_exceptions=True)
+    winners = [r for r in results if not isinstance(r, BaseException)]
+    losers = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert len(winners) == 1 and winners[0].version == 1
+    assert all(isinstance(results[i], ConflictError) for i in losers), results
+
+    for i in losers:  # each loser reloads and retries, as a client would
+        while True:
+            current = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+            try:
+                await append(i, current.version)
+                break
+            except ConflictError:
+                continue
+    final = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+    contents = [m["content"] for m in final.messages]
+    assert sorted(contents) == sorted(f"turn-{i}" for i in range(n))  # no loss, no duplicate
+    assert final.version == n and final.num_tokens == n
+
+
+async def test_session_expires_after_ttl(dataplane, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    sid = (await new_session(dataplane, tenant, ttl_s=1)).id
+    assert await dataplane.get_session.remote(tenant, sid, shard_key=sid) is not None
+    await asyncio.sleep(2.3)
+    assert await dataplane.get_session.remote(tenant, sid, shard_key=sid) is None
+    assert not redis_client.exists(keys.session_key(tenant, sid))
+    with pytest.raises(NotFoundError):
+        await dataplane.append_turn.remote(tenant, sid, 0, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+
+
+async def test_tenants_are_isolated(dataplane):
+    a, b = tenant_name(), tenant_name()
+    sid = (await new_session(dataplane, a)).id
+    await dataplane.append_turn.remote(a, sid, 0, [{"role": "user", "content": "secret"}], 1, shard_key=sid)
+    assert await dataplane.get_session.remote(b, sid, shard_key=sid) is None
+    with pytest.raises(NotFoundError):
+        await dataplane.append_turn.remote(b, sid, 1, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+    assert await dataplane.delete_session.remote(b, sid, shard_key=sid) is False
+    assert (await dataplane.get_session.remote(a, sid, shard_key=sid)).version == 1
+
+    hashes, blocks = make_blocks(a, 2)
+    await dataplane.put_blocks.remote(a, hashes, blocks, shard_key=hashes[0])
+    assert (await dataplane.lookup_prefix.remote(b, hashes, shard_key=hashes[0])).num_blocks == 0
+    assert await dataplane.get_blocks.remote(b, hashes, shard_key=hashes[0]) is None
+
+
+async def test_blocks_roundtrip_through_l3(dataplane, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    hashes, blocks = make_blocks(tenant, 3, seed=1)
+    shard = hashes[0]
+    assert await dataplane.put_blocks.remote(tenant, hashes, blocks, shard_key=shard) == 3
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)
+    assert (hit.num_blocks, hit.tier, hit.num_bytes) == (3, TIER_L2, sum(map(len, blocks)))
+
+    flushed = await dataplane.flush_l2.remote(shard_key=shard)
+    assert flushed["kept_dirty"] == 0
+    for h, b in zip(hashes, blocks):
+        assert redis_client.get(keys.block_key(tenant, h)) == b
+        assert int(redis_client.get(keys.block_index_key(tenant, h))) == len(b)
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)
+    assert (hit.num_blocks, hit.tier) == (3, TIER_L3)
+
+    assert await dataplane.get_blocks.remote(tenant, hashes, shard_key=shard) == blocks
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)
+    assert hit.tier == TIER_L2  # promoted by the read
+
+    # A gap ends the prefix: only the leading run counts.
+    other, _ = make_blocks(tenant, 2, seed=9)
+    hit = await dataplane.lookup_prefix.remote(tenant, [hashes[0], other[1], hashes[2]], shard_key=shard)
+    assert hit.num_blocks == 1
+    await dataplane.flush_l2.remote(shard_key=shard)
+    assert await dataplane.prefetch.remote(tenant, hashes, shard_key=shard) == 3
+    assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)).tier == TIER_L2
+
+
+async def test_corrupt_block_in_redis_is_a_miss(dataplane, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    hashes, blocks = make_blocks(tenant, 2, seed=2)
+    shard = hashes[0]
+    await dataplane.put_blocks.remote(tenant, hashes, blocks, shard_key=shard)
+    await dataplane.flush_l2.remote(shard_key=shard)
+    before = (await dataplane.stats.remote(shard_key=shard)).get("corrupt_blocks", 0)
+    key = keys.block_key(tenant, hashes[1])
+    data = bytearray(redis_client.get(key))
+    data[-1] ^= 0xFF  # flip payload bytes: the checksum no longer matches
+    redis_client.set(key, bytes(data))
+
+    assert await dataplane.get_blocks.remote(tenant, hashes, shard_key=shard) is None
+    stats = await dataplane.stats.remote(shard_key=shard)
+    assert stats["corrupt_blocks"] == before + 1
+    assert not redis_client.exists(key)  # a corrupt block is deleted, not served again
+    assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)).num_blocks == 1
+
+
+async def test_delete_session_erases_l2_and_l3(dataplane, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    hashes, blocks = make_blocks(tenant, 3, seed=3)
+    # A session on another shard than its blocks, so deleting must reach that shard's L2.
+    blocks_replica = (await dataplane.stats.remote(shard_key=hashes[0]))["replica"]
+    for _ in range(64):
+        sid = new_session_id()
+        if (await dataplane.stats.remote(shard_key=sid))["replica"] != blocks_replica:
+            break
+    else:
+        pytest.fail("every session id hashed to the blocks' replica: is routing by shard_key?")
+    await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
+    await dataplane.put_blocks.remote(tenant, hashes, blocks, sid, shard_key=hashes[0])
+
+    def l3_keys():
+        return [
+            k for h in hashes
+            for k in (keys.block_key(tenant, h), keys.block_index_key(tenant, h))
+            if redis_client.exists(k)
+        ]
+
+    async def written():
+        return len(l3_keys()) == 6
+
+    await wait_for(written, 10)  # write-behind reached Redis
+    assert redis_client.scard(keys.session_blocks_key(tenant, sid)) == 3
+    assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])).tier == TIER_L2
+
+    assert await dataplane.delete_session.remote(tenant, sid, shard_key=sid) is True
+    assert l3_keys() == []
+    assert not redis_client.exists(keys.session_blocks_key(tenant, sid))
+    assert not redis_client.exists(keys.session_key(tenant, sid))
+    # Not in L2 either (the blocks' shard may be another replica than the session's).
+    assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])).num_blocks == 0
+
+
+async def test_connector_lookup_load_save_and_bandwidth(dataplane):
+    tenant = tenant_name()
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    hashes, blocks = make_blocks(tenant, 4, seed=4)
+    assert (await conn.lookup(tenant, hashes)).num_blocks == 0
+    assert await conn.load(tenant, hashes) is None
+    conn.save(tenant, hashes, blocks)
+    await conn.drain()
+    hit = await conn.lookup(tenant, hashes)
+    assert (hit.num_blocks, hit.tier) == (4, TIER_L2)
+    assert await conn.load(tenant, hashes) == blocks
+    assert conn.bandwidth_bytes_per_s(TIER_L2) > 0
+    assert conn.bandwidth_bytes_per_s(TIER_L3) is None
+    await dataplane.flush_l2.remote(shard_key=hashes[0])
+    assert (await conn.lookup(tenant, hashes)).tier == TIER_L3
+    assert await conn.load(tenant, hashes) == blocks
+    assert conn.bandwidth_bytes_per_s(TIER_L3) > 0
+
+
+async def test_connector_failure_is_a_miss():
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("data plane gone")
+
+    conn = DataPlaneKVConnector(Broken(), BLOCK_SIZE)
+    hashes, blocks = make_blocks("t", 2)
+    assert (await conn.lookup("t", hashes)).num_blocks == 0
+    assert await conn.load("t", hashes) is None
+    conn.save("t", hashes, blocks)  # logged, never raised
+    await conn.drain()
+
+
+async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_client):  # noqa: F811
+    tenant = tenant_name()
+    sid = (await new_session(dataplane, tenant)).id
+    await dataplane.append_turn.remote(tenant, sid, 0, [{"role": "user", "content": "before"}], 1, shard_key=sid)
+    hashes, blocks = make_blocks(tenant, 2, seed=5)
+
+    redis_server.stop()
+    try:
+        version = 1
+        for i in range(5):  # traffic keeps succeeding while Redis is gone
+            rec = await dataplane.append_turn.remote(
+                tenant, sid, version, [{"role": "user", "content": f"during-{i}"}], 1, shard_key=sid
+            )
+            version = rec.version
+        with pytest.raises(ConflictError):  # CAS still holds in memory
+            await dataplane.append_turn.remote(tenant, sid, 1, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+        created = await new_session(dataplane, tenant)
+        await dataplane.put_blocks.remote(tenant, hashes, blocks, shard_key=hashes[0])
+        assert await dataplane.get_blocks.remote(tenant, hashes, shard_key=hashes[0]) == blocks
+        got = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+        assert got.version == 6
+        status = await dataplane.status.remote(shard_key=sid)
+        assert status["degraded"] is True and status["unsynced_sessions"] >= 1
+    finally:
+        redis_server.start()
+
+    async def recovered():
+        # Every shard this test touched (with 2 replicas they may all be one).
+        for shard in (sid, created.id, hashes[0]):
+            if (await dataplane.status.remote(shard_key=shard))["degraded"]:
+                return False
+        return True
+
+    await wait_for(recovered, 30)
+    stored = redis_client.hgetall(keys.session_key(tenant, sid))
+    assert int(stored[b"version"]) == 6
+    assert b"during-4" in stored[b"messages"] and b"before" in stored[b"messages"]
+    assert redis_client.exists(keys.session_key(tenant, created.id))
+    for h, b in zip(hashes, blocks):
+        assert redis_client.get(keys.block_key(tenant, h)) == b
+    # And the session continues normally, through Redis again.
+    rec = await dataplane.append_turn.remote(tenant, sid, 6, [{"role": "user", "content": "after"}], 1, shard_key=sid)
+    assert rec.version == 7
+    assert int(redis_client.hget(keys.session_key(tenant, sid), "version")) == 7
+
+
+async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
+    import ray
+
+    tenant = tenant_name()
+    sid = new_session_id()
+
+    async def owner_connected():
+        return not (await dataplane.status.remote(shard_key=sid))["degraded"]
+
+    # Only turns acknowledged while Redis is reachable are promised to survive.
+    await wait_for(owner_connected, 30)
+    await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
+    for v in range(3):
+        await dataplane.append_turn.remote(tenant, sid, v, [{"role": "user", "content": f"t{v}"}], 1, shard_key=sid)
+    owner = await dataplane.stats.remote(shard_key=sid)
+    assert not owner["degraded"]
+    ray.kill(ray.get_actor(owner["actor_name"], namespace="serve"), no_restart=True)
+
+    async def read_back():
+        try:
+            return await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+        except Exception:  # the dead replica until Serve notices
+            return None
+
+    rec = await wait_for(read_back, 60, 0.5)
+    assert [m["content"] for m in rec.messages] == ["t0", "t1", "t2"] and rec.version == 3
+    # Serve replaces the replica; the pool is whole again.
+    async def replaced():
+        s = await read_back()
+        stats = await dataplane.stats.remote(shard_key=sid)
+        return s is not None and stats["actor_name"] != owner["actor_name"]
+
+    await wait_for(replaced, 60, 0.5)
+
+
+async def test_store_password_from_env_and_exact_message_roundtrip():
+    """RedisStore alone: the password comes from the variable named by password_env, and
+    the atomic append keeps messages byte-for-byte (unicode, numbers, nested)."""
+    from app.config import RedisConfig
+    from app.local_redis import LocalRedis
+    from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
+    from deployments.dataplane.types import SessionRecord
+
+    with LocalRedis(extra_args=("--requirepass", "s3cret")) as server:
+        cfg = RedisConfig(url=server.url, password_env="TEST_DP_REDIS_PASSWORD")
+        no_password = RedisStore.from_config(cfg, kv_ttl_s=60, environ={})
+        with pytest.raises(RedisUnavailable):
+            await no_password.get_session("t", "s")
+        await no_password.close()
+
+        store = RedisStore.from_config(cfg, kv_ttl_s=60, environ={"TEST_DP_REDIS_PASSWORD": "s3cret"})
+        now = time.time()
+        assert await store.create_session(SessionRecord("s", "t", created=now, expires_at=now + 60, ttl_s=60))
+        turns = [
+            {"role": "user", "content": "héllo ✓ \"quoted\" [1,2]"},
+            {"role": "assistant", "content": "", "meta": {"n": 1.5, "ids": [1, 2, 3], "x": None}},
+        ]
+        result = await store.append("t", "s", 0, turns[:1], 3)
+        assert (result.status, result.version) == ("ok", 1)
+        assert (await store.append("t", "s", 1, [], 0)).version == 2  # empty append is fine
+        assert (await store.append("t", "s", 2, turns[1:], 4)).version == 3
+        assert (await store.append("t", "s", 2, turns[1:], 4)).status == "conflict"
+        assert (await store.append("t", "other", 0, turns, 4)).status == "missing"
+        rec = await store.get_session("t", "s")
+        assert rec.messages == turns and rec.num_tokens == 7 and rec.version == 3
+        assert await store.get_session("u", "s") is None
+        await store.close()

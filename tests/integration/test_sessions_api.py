@@ -1,0 +1,165 @@
+"""Sessions through the real Serve application, a real DataPlane and a real Redis:
+multi-turn chat with X-Session-Id, racing turns, deletion, bad ids, and KV reuse that
+changes no token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def new_session(served_app, **body) -> dict:
+    r = httpx.post(served_app.base_url + "/v1/sessions", json=body or None, timeout=30)
+    assert r.status_code == 201, r.text
+    s = r.json()
+    assert s["id"].startswith("sess_") and s["version"] == 0 and s["messages"] == []
+    return s
+
+
+def get_session(served_app, sid) -> httpx.Response:
+    return httpx.get(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30)
+
+
+def turn(client, model, sid, text, **kw):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        extra_headers={"X-Session-Id": sid},
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", 8),
+        **kw,
+    )
+
+
+def test_multi_turn_conversation_keeps_history_in_order(served_app):
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    replies = []
+    for i in range(3):
+        r = turn(client, served_app.model_id, sid, f"turn {i} question")
+        replies.append(r.choices[0].message.content)
+    s = get_session(served_app, sid).json()
+    assert s["version"] == 3
+    assert [m["role"] for m in s["messages"]] == ["user", "assistant"] * 3
+    assert [m["content"] for m in s["messages"][0::2]] == [f"turn {i} question" for i in range(3)]
+    assert [m["content"] for m in s["messages"][1::2]] == replies
+    # The prompt grew with the history: the last turn saw all earlier messages.
+    assert s["num_tokens"] > 3 * 8
+
+
+def test_session_turn_equals_stateless_request_with_full_history(served_app):
+    """The server puts the stored history in front, and KV blocks reused from the data
+    plane change no token: the reply equals a stateless request carrying the history."""
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    first = turn(client, served_app.model_id, sid, "a long first message " * 6, max_tokens=12)
+    second = turn(client, served_app.model_id, sid, "and a follow up", max_tokens=12)
+    history = get_session(served_app, sid).json()["messages"][:2]
+    stateless = client.chat.completions.create(
+        model=served_app.model_id,
+        messages=history + [{"role": "user", "content": "and a follow up"}],
+        temperature=0,
+        max_tokens=12,
+    )
+    assert first.choices[0].message.content == history[1]["content"]
+    assert second.choices[0].message.content == stateless.choices[0].message.content
+    assert second.usage.prompt_tokens == stateless.usage.prompt_tokens
+
+
+def test_session_id_in_body_and_streaming_turn_is_appended(served_app):
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    chunks = list(
+        client.chat.completions.create(
+            model=served_app.model_id,
+            messages=[{"role": "user", "content": "stream me"}],
+            stream=True,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"session_id": sid},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    s = get_session(served_app, sid).json()
+    assert s["version"] == 1 and s["messages"][1] == {"role": "assistant", "content": text}
+
+
+def test_racing_turns_one_wins_other_gets_409_nothing_lost(served_app):
+    sid = new_session(served_app)["id"]
+
+    async def one(client, i):
+        return await client.post(
+            "/v1/chat/completions",
+            headers={"X-Session-Id": sid},
+            json={
+                "model": served_app.model_id,
+                "messages": [{"role": "user", "content": f"racer {i}"}],
+                # Long enough that all four read version 0 before the first one appends.
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served_app.base_url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(4)))
+
+    responses = asyncio.run(main())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 1 and set(codes) <= {200, 409}, codes
+    assert 409 in codes, "4 turns raced on one version yet none conflicted"
+    for r in responses:
+        if r.status_code == 409:
+            err = r.json()["error"]
+            assert "version" in err["message"].lower() or "conflict" in err["message"].lower()
+    s = get_session(served_app, sid).json()
+    winners = [r for r in responses if r.status_code == 200]
+    # Exactly the winners' turns are stored, each as one user + one assistant message.
+    assert s["version"] == len(winners) == 1
+    assert len(s["messages"]) == 2
+    assert s["messages"][1]["content"] == winners[0].json()["choices"][0]["message"]["content"]
+
+
+def test_delete_then_404_and_turns_rejected(served_app):
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    turn(client, served_app.model_id, sid, "remember me")
+    r = httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert get_session(served_app, sid).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        turn(client, served_app.model_id, sid, "still there?")
+    assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 404
+
+
+def test_unknown_and_malformed_session_ids(served_app):
+    assert get_session(served_app, "sess_" + "0" * 32).status_code == 404
+    r = get_session(served_app, "not-a-session")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    with pytest.raises(openai.BadRequestError):
+        turn(served_app.client(), served_app.model_id, "bogus", "hi")
+
+
+def test_session_ttl_expires(served_app):
+    sid = new_session(served_app, ttl_s=1)["id"]
+    assert get_session(served_app, sid).status_code == 200
+    time.sleep(2.5)
+    assert get_session(served_app, sid).status_code == 404
+
+
+def test_history_over_context_is_400_naming_the_overflow(served_app):
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    max_len = client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as e:
+        turn(client, served_app.model_id, sid, "hi", max_tokens=max_len)
+    assert "over" in str(e.value) and str(max_len) in str(e.value)
+    # The failed turn changed nothing.
+    assert get_session(served_app, sid).json()["version"] == 0

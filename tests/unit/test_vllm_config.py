@@ -1,0 +1,160 @@
+"""Our config → vLLM's engine and sampling arguments. Pure mapping: runs without vLLM
+(the last test also checks the names against vLLM's AsyncEngineArgs when it is there)."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from app.config import AppConfig, VLLMOptions
+from deployments.compute.engines.protocol import SamplingParams
+from deployments.compute.engines.vllm_engine import (
+    DEFAULT_CPU_KV_CACHE_GIB,
+    GIB,
+    VLLMEngine,
+    engine_args_kwargs,
+    sampling_params_kwargs,
+)
+
+
+def _kwargs(options=None, *, on_cpu=True, **overrides):
+    base = dict(
+        model_path="/models/m",
+        served_model_name="tiny-llama",
+        dtype="float32",
+        max_model_len=None,
+        max_num_seqs=8,
+        options=options or VLLMOptions(),
+        on_cpu=on_cpu,
+    )
+    base.update(overrides)
+    return engine_args_kwargs(**base)
+
+
+def test_defaults_map_one_to_one():
+    kw = _kwargs()
+    assert kw["model"] == kw["tokenizer"] == "/models/m"
+    assert kw["served_model_name"] == "tiny-llama"
+    assert kw["dtype"] == "float32"
+    assert kw["max_num_seqs"] == 8
+    assert kw["tensor_parallel_size"] == 1 and kw["pipeline_parallel_size"] == 1
+    assert kw["gpu_memory_utilization"] == 0.9
+    assert kw["enable_prefix_caching"] is True
+    assert kw["kv_cache_dtype"] == "auto"
+    assert kw["enforce_eager"] is False
+    assert kw["seed"] == 0
+    assert kw["trust_remote_code"] is False
+    assert kw["disable_log_stats"] is True
+    # Unset options are left to vLLM.
+    for absent in ("max_model_len", "max_num_batched_tokens", "quantization"):
+        assert absent not in kw
+
+
+def test_every_option_is_passed():
+    options = VLLMOptions(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=3,
+        gpu_memory_utilization=0.5,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+        kv_cache_dtype="fp8",
+        quantization="awq",
+        enforce_eager=True,
+        cpu_kv_cache_space_gib=0.25,
+        seed=7,
+    )
+    kw = _kwargs(options, max_model_len=512, dtype="bfloat16", max_num_seqs=3)
+    assert kw["tensor_parallel_size"] == 2
+    assert kw["pipeline_parallel_size"] == 3
+    assert kw["gpu_memory_utilization"] == 0.5
+    assert kw["max_num_batched_tokens"] == 4096
+    assert kw["enable_prefix_caching"] is False
+    assert kw["kv_cache_dtype"] == "fp8"
+    assert kw["quantization"] == "awq"
+    assert kw["enforce_eager"] is True
+    assert kw["kv_cache_memory_bytes"] == GIB // 4  # fractions of a GiB are kept
+    assert kw["seed"] == 7
+    assert kw["max_model_len"] == 512
+    assert kw["dtype"] == "bfloat16"
+    assert kw["max_num_seqs"] == 3
+
+
+def test_kv_cache_size_on_cpu_and_gpu():
+    # CPU without a size: a bounded default, never a fraction of host memory.
+    assert _kwargs(on_cpu=True)["kv_cache_memory_bytes"] == int(DEFAULT_CPU_KV_CACHE_GIB * GIB)
+    # GPU without a size: vLLM sizes it from gpu_memory_utilization.
+    assert "kv_cache_memory_bytes" not in _kwargs(on_cpu=False)
+    # An explicit size applies on either.
+    explicit = VLLMOptions(cpu_kv_cache_space_gib=2)
+    assert _kwargs(explicit, on_cpu=False)["kv_cache_memory_bytes"] == 2 * GIB
+
+
+def test_from_app_config(tiny_model_path):
+    cfg = AppConfig.model_validate(
+        {
+            "model": {"id": "m1", "path": str(tiny_model_path), "max_model_len": 256},
+            "engine": {"name": "vllm", "max_num_seqs": 4, "vllm": {"enforce_eager": True, "seed": 3}},
+        }
+    )
+    engine = VLLMEngine.from_app_config(cfg)
+    kw = engine.engine_kwargs
+    assert kw["model"] == str(tiny_model_path.resolve())
+    assert kw["served_model_name"] == "m1"
+    assert kw["max_model_len"] == 256 and engine.max_model_len == 256
+    assert kw["max_num_seqs"] == 4 and engine.max_num_seqs == 4
+    assert kw["enforce_eager"] is True and kw["seed"] == 3
+    assert engine.tokenizer is not None
+    assert engine.capabilities.continuous_batching is True
+    assert engine.capabilities.wants_router_batching is False
+    assert engine.capabilities.supports_kv_export is False
+    # Without a configured length the checkpoint's own applies.
+    default = VLLMEngine.from_app_config(AppConfig.model_validate({"model": {"path": str(tiny_model_path)}}))
+    assert "max_model_len" not in default.engine_kwargs
+    assert default.max_model_len == 2048
+
+
+def test_sampling_params_mapping():
+    greedy = sampling_params_kwargs(SamplingParams(max_tokens=5, temperature=0.0, top_p=0.5))
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0  # top_p is moot when greedy
+    assert greedy["max_tokens"] == 5 and greedy["n"] == 1
+    assert "stop" not in greedy and greedy["seed"] is None and greedy["ignore_eos"] is False
+    sampled = sampling_params_kwargs(
+        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=42, stop=["\n", "END"], ignore_eos=True)
+    )
+    assert sampled == {
+        "n": 1,
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 42,
+        "ignore_eos": True,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "stop": ["\n", "END"],
+    }
+
+
+def test_module_imports_without_vllm():
+    code = (
+        "import sys; import deployments.compute.engines.vllm_engine as m; "
+        "assert 'vllm' not in sys.modules, 'vllm imported at module import'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_kwargs_are_valid_vllm_engine_args():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    options = VLLMOptions(max_num_batched_tokens=4096, quantization="awq", cpu_kv_cache_space_gib=0.5)
+    kw = _kwargs(options, max_model_len=512)
+    args = AsyncEngineArgs(**kw)  # a dataclass: an unknown name raises TypeError
+    for key, value in kw.items():
+        assert getattr(args, key) == value, key
+    import vllm
+
+    params = vllm.SamplingParams(**sampling_params_kwargs(SamplingParams(max_tokens=4, temperature=0, stop=["x"])))
+    assert params.max_tokens == 4 and params.stop == ["x"]

@@ -73,6 +73,7 @@ class _Metrics:
         self.dropped = m.Counter("llm_dataplane_dropped_blocks", "Dirty blocks dropped because Redis was unreachable.")
         self.degraded = m.Gauge("llm_dataplane_degraded", "1 while this replica cannot reach Redis.")
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
+        self.prefetch_used = m.Counter("llm_dataplane_prefetch_used_blocks", "Prefetched blocks later read by a worker.")
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
 
     def inc(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
@@ -112,6 +113,9 @@ class DataPlane:
         self._degraded_since: Optional[float] = None
         self._m = _Metrics(enable_metrics)
         self._counts: dict[str, int] = defaultdict(int)
+        # L2 keys brought up by prefetch() and not yet read (bounded by L2's own size:
+        # entries of evicted keys are dropped on eviction).
+        self._prefetched: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._started = False
 
@@ -269,6 +273,7 @@ class DataPlane:
         """Hand dirty evictions to Redis before they are gone; count the rest."""
         if not evicted:
             return
+        self._prefetched.difference_update(e.key for e in evicted)
         self._counts["evictions"] += len(evicted)
         self._m.inc("evictions", len(evicted))
         dirty = [(e.key, e.value) for e in evicted if e.dirty]
@@ -381,6 +386,11 @@ class DataPlane:
             data = self._l2.get(key)
             if data is None:
                 continue
+            if key in self._prefetched:
+                # The prefetch brought this block up before the worker asked: it paid off.
+                self._prefetched.discard(key)
+                self._counts["prefetch_used"] += 1
+                self._m.inc("prefetch_used")
             if not self._verify(data, TIER_L2):
                 self._l2.delete(key)
                 return None
@@ -441,6 +451,7 @@ class DataPlane:
                         pass
                     continue
                 await self._put_l2(l2_keys[i], data, dirty=False)
+                self._prefetched.add(l2_keys[i])
                 num_fetched += 1
             self._counts["prefetched"] += num_fetched
             self._m.inc("prefetched", num_fetched)
@@ -464,6 +475,7 @@ class DataPlane:
             written = await self._redis(self._write_dirty_blocks)
         except RedisUnavailable:
             pass
+        self._prefetched.clear()
         kept = [e for e in self._l2.clear() if e.dirty]
         for e in kept:
             self._l2.put(e.key, e.value, dirty=True)

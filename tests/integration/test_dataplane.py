@@ -209,6 +209,11 @@ async def test_blocks_roundtrip_through_l3(dataplane, redis_client):  # noqa: F8
     await dataplane.flush_l2.remote(shard_key=shard)
     assert await dataplane.prefetch.remote(tenant, hashes, shard_key=shard) == 3
     assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=shard)).tier == TIER_L2
+    used_before = (await dataplane.stats.remote(shard_key=shard)).get("prefetch_used", 0)
+    assert await dataplane.get_blocks.remote(tenant, hashes[:2], shard_key=shard) == blocks[:2]
+    assert await dataplane.get_blocks.remote(tenant, hashes[:2], shard_key=shard) == blocks[:2]
+    # Each prefetched block counts once, when a reader first takes it.
+    assert (await dataplane.stats.remote(shard_key=shard))["prefetch_used"] == used_before + 2
 
 
 async def test_corrupt_block_in_redis_is_a_miss(dataplane, redis_client):  # noqa: F811

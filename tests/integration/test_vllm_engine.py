@@ -70,6 +70,9 @@ async def engine(tiny_model_path):
                 "max_num_seqs": MAX_NUM_SEQS,
                 "vllm": {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.25},
             },
+            # The bare engine: KV reuse through the data plane is tested on its own in
+            # test_vllm_kv_connector.py.
+            "dataplane": {"kv_reuse": False},
         }
     )
     eng = VLLMEngine.from_app_config(config)

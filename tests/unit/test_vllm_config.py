@@ -8,13 +8,18 @@ import sys
 import pytest
 
 from app.config import AppConfig, VLLMOptions
-from deployments.compute.engines.protocol import SamplingParams
+from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
 from deployments.compute.engines.vllm_engine import (
     DEFAULT_CPU_KV_CACHE_GIB,
     GIB,
+    KV_CONNECTOR_MODULE,
+    KV_CONNECTOR_NAME,
     VLLMEngine,
     engine_args_kwargs,
+    kv_transfer_kwargs,
+    kv_transfer_params,
     sampling_params_kwargs,
+    vllm_kv_block_size,
 )
 
 
@@ -107,11 +112,82 @@ def test_from_app_config(tiny_model_path):
     assert engine.tokenizer is not None
     assert engine.capabilities.continuous_batching is True
     assert engine.capabilities.wants_router_batching is False
-    assert engine.capabilities.supports_kv_export is False
+    # The default config reuses KV through the data plane: vLLM gets our connector.
+    assert engine.kv_connected and engine.capabilities.supports_kv_export is True
+    assert kw["kv_transfer_config"]["kv_connector"] == KV_CONNECTOR_NAME
     # Without a configured length the checkpoint's own applies.
     default = VLLMEngine.from_app_config(AppConfig.model_validate({"model": {"path": str(tiny_model_path)}}))
     assert "max_model_len" not in default.engine_kwargs
     assert default.max_model_len == 2048
+
+
+def _kv(**overrides):
+    base = dict(
+        model_id="m1",
+        block_size=32,
+        redis_url="redis://10.0.0.5:6380/2",
+        redis_password_env="REDIS_PASSWORD",
+        socket_timeout_s=2.0,
+        connect_timeout_s=1.0,
+        retry_interval_s=1.0,
+        kv_ttl_s=600,
+        session_ttl_s=1800,
+    )
+    base.update(overrides)
+    return kv_transfer_kwargs(**base)
+
+
+def test_kv_transfer_kwargs_name_our_connector_and_never_the_password():
+    kv = _kv()
+    assert kv["kv_connector"] == KV_CONNECTOR_NAME
+    assert kv["kv_connector_module_path"] == KV_CONNECTOR_MODULE
+    assert kv["kv_role"] == "kv_both"
+    assert kv["kv_load_failure_policy"] == "recompute"  # a bad block is recomputed, not an error
+    extra = kv["kv_connector_extra_config"]
+    assert extra["model_id"] == "m1" and extra["block_size"] == 32
+    assert extra["redis_url"] == "redis://10.0.0.5:6380/2"
+    assert extra["redis_password_env"] == "REDIS_PASSWORD"  # the variable's name only
+    assert extra["kv_ttl_s"] == 600 and extra["session_ttl_s"] == 1800
+    # engine_args_kwargs passes it through and pins vLLM's block size to the connector's.
+    kw = _kwargs(kv_transfer=kv)
+    assert kw["kv_transfer_config"] is kv and kw["block_size"] == 32
+    assert "kv_transfer_config" not in _kwargs() and "block_size" not in _kwargs()
+
+
+def test_vllm_block_size_on_cpu_is_a_multiple_of_32():
+    assert vllm_kv_block_size(16, on_cpu=False) == 16
+    assert vllm_kv_block_size(16, on_cpu=True) == 32
+    assert vllm_kv_block_size(32, on_cpu=True) == 32
+    assert vllm_kv_block_size(48, on_cpu=True) == 64
+
+
+def test_from_app_config_connects_only_when_kv_reuse_is_on(tiny_model_path):
+    def engine(dataplane):
+        cfg = AppConfig.model_validate(
+            {"model": {"id": "m1", "path": str(tiny_model_path)}, "engine": {"name": "vllm"}, "dataplane": dataplane}
+        )
+        return VLLMEngine.from_app_config(cfg)
+
+    on = engine(
+        {"block_size": 16, "kv_ttl_s": 99, "redis": {"url": "redis://r:1/0", "password_env": "PW"}}
+    )
+    extra = on.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["model_id"] == "m1" and extra["redis_url"] == "redis://r:1/0"
+    assert extra["redis_password_env"] == "PW" and extra["kv_ttl_s"] == 99
+    assert on.engine_kwargs["block_size"] == extra["block_size"] in (16, 32)  # GPU / CPU
+    for off in ({"kv_reuse": False}, {"enabled": False}):
+        eng = engine(off)
+        assert "kv_transfer_config" not in eng.engine_kwargs
+        assert not eng.kv_connected and eng.capabilities.supports_kv_export is False
+        assert VLLMEngine.capabilities.supports_kv_export is False  # the class is untouched
+
+
+def test_kv_transfer_params_carry_tenant_and_session():
+    def req(**kw):
+        return GenerationRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1), **kw)
+
+    assert kv_transfer_params(req()) == {"tenant": "default"}
+    assert kv_transfer_params(req(tenant="acme", session_id="s1")) == {"tenant": "acme", "session_id": "s1"}
 
 
 def test_sampling_params_mapping():
@@ -150,10 +226,19 @@ def test_kwargs_are_valid_vllm_engine_args():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     options = VLLMOptions(max_num_batched_tokens=4096, quantization="awq", cpu_kv_cache_space_gib=0.5)
-    kw = _kwargs(options, max_model_len=512)
+    kw = _kwargs(options, max_model_len=512, kv_transfer=_kv())
+    kv = kw.pop("kv_transfer_config")
     args = AsyncEngineArgs(**kw)  # a dataclass: an unknown name raises TypeError
     for key, value in kw.items():
         assert getattr(args, key) == value, key
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(**kv)  # every name is a KVTransferConfig field
+    assert ktc.kv_connector == KV_CONNECTOR_NAME and ktc.kv_load_failure_policy == "recompute"
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(ktc)  # importable by vLLM, new-style signature
+    assert cls.__name__ == KV_CONNECTOR_NAME
     import vllm
 
     params = vllm.SamplingParams(**sampling_params_kwargs(SamplingParams(max_tokens=4, temperature=0, stop=["x"])))

@@ -83,7 +83,8 @@ class EngineCapabilities:
     # Whether the router should hold requests to form batches in front of this engine.
     # An engine that batches continuously on its own (vLLM) says False.
     wants_router_batching: bool = True
-    # export_kv()/import_kv() of prefix blocks are available.
+    # The engine saves the KV of finished prefixes to the data plane and loads stored
+    # prefixes back instead of prefilling them (through a KV connector).
     supports_kv_export: bool = False
 
 
@@ -102,6 +103,36 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.param = param
+
+
+from deployments.compute.engines.scheduler import SequenceTooLong, check_fits  # noqa: E402
+
+
+def validate_request(
+    request: GenerationRequest, *, vocab_size: int, max_model_len: int, active_ids
+) -> None:
+    """The checks every engine makes before accepting a request: RequestRejected (400)
+    naming the parameter, never a failure later in the engine loop."""
+    params = request.sampling
+    num_prompt = len(request.prompt_token_ids)
+    if num_prompt == 0:
+        raise RequestRejected("prompt is empty", param="prompt")
+    if params.max_tokens < 1:
+        raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", param="max_tokens")
+    if params.temperature < 0:
+        raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
+    if not 0 < params.top_p <= 1:
+        raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
+    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    try:
+        check_fits(num_prompt, params.max_tokens, max_model_len)
+    except SequenceTooLong as e:
+        raise RequestRejected(
+            str(e), param="max_tokens" if num_prompt < max_model_len else "prompt"
+        ) from None
+    if request.request_id in active_ids:
+        raise RequestRejected(f"duplicate request_id {request.request_id!r}", param="request_id")
 
 
 class Engine(abc.ABC):

@@ -52,9 +52,10 @@ from deployments.compute.engines.protocol import (
     GenerationRequest,
     RequestRejected,
     TokenDelta,
+    validate_request,
 )
 from deployments.compute.engines.sampling import make_generator, sample
-from deployments.compute.engines.scheduler import Scheduler, Sequence, SequenceTooLong, check_fits
+from deployments.compute.engines.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -289,25 +290,12 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ asyncio side
 
     def _validate(self, request: GenerationRequest) -> None:
-        params = request.sampling
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestRejected("prompt is empty", param="prompt")
-        if params.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", param="max_tokens")
-        if params.temperature < 0:
-            raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
-        if not 0 < params.top_p <= 1:
-            raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
-        vocab_size = self.config.vocab_size
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        try:
-            check_fits(num_prompt, params.max_tokens, self.max_model_len)
-        except SequenceTooLong as e:
-            raise RequestRejected(str(e), param="max_tokens" if num_prompt < self.max_model_len else "prompt")
-        if request.request_id in self._active_ids:
-            raise RequestRejected(f"duplicate request_id {request.request_id!r}", param="request_id")
+        validate_request(
+            request,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            active_ids=self._active_ids,
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)

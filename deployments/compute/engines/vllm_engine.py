@@ -27,6 +27,7 @@ this module, and :func:`engine_args_kwargs` in particular, import without vLLM i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
@@ -41,8 +42,8 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
     SamplingParams,
     TokenDelta,
+    validate_request,
 )
-from deployments.compute.engines.scheduler import SequenceTooLong, check_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from app.config import AppConfig, VLLMOptions
@@ -56,6 +57,55 @@ GIB = 1 << 30
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
+KV_CONNECTOR_NAME = "DataPlaneKVConnector"
+KV_CONNECTOR_MODULE = "deployments.compute.engines.vllm_kv_connector"
+# vLLM's CPU attention kernels take block sizes in multiples of this.
+CPU_BLOCK_MULTIPLE = 32
+
+
+def vllm_kv_block_size(dataplane_block_size: int, *, on_cpu: bool) -> int:
+    """vLLM's KV block size for a data-plane block size: the same on GPU; on CPU rounded
+    up to a multiple of 32 (16 → 32), the only sizes its attention kernels take."""
+    if not on_cpu:
+        return dataplane_block_size
+    return -(-dataplane_block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+
+
+def kv_transfer_kwargs(
+    *,
+    model_id: str,
+    block_size: int,
+    redis_url: str,
+    redis_password_env: Optional[str],
+    socket_timeout_s: float,
+    connect_timeout_s: float,
+    retry_interval_s: float,
+    kv_ttl_s: int,
+    session_ttl_s: int,
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.config.KVTransferConfig`` that plug our data-plane
+    connector (``vllm_kv_connector.py``) into vLLM (pure). The password travels as the
+    NAME of its environment variable, never the value."""
+    return {
+        "kv_connector": KV_CONNECTOR_NAME,
+        "kv_connector_module_path": KV_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        # A block that fails to load is recomputed, never a failed request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "model_id": model_id,
+            "block_size": block_size,
+            "redis_url": redis_url,
+            "redis_password_env": redis_password_env,
+            "socket_timeout_s": socket_timeout_s,
+            "connect_timeout_s": connect_timeout_s,
+            "retry_interval_s": retry_interval_s,
+            "kv_ttl_s": kv_ttl_s,
+            "session_ttl_s": session_ttl_s,
+        },
+    }
+
+
 def engine_args_kwargs(
     *,
     model_path: str,
@@ -65,10 +115,14 @@ def engine_args_kwargs(
     max_num_seqs: int,
     options: "VLLMOptions",
     on_cpu: bool,
+    kv_transfer: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for our config (pure: no vLLM import).
 
     Only options that are set are passed, so vLLM's own defaults apply otherwise.
+    ``kv_transfer`` (from :func:`kv_transfer_kwargs`) connects vLLM to the data plane: it
+    is passed as ``kv_transfer_config`` (a dict here; :meth:`VLLMEngine.start` makes the
+    ``KVTransferConfig``) and fixes vLLM's block size to the connector's.
     """
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -102,7 +156,18 @@ def engine_args_kwargs(
         kwargs["kv_cache_memory_bytes"] = int(options.cpu_kv_cache_space_gib * GIB)
     elif on_cpu:
         kwargs["kv_cache_memory_bytes"] = int(DEFAULT_CPU_KV_CACHE_GIB * GIB)
+    if kv_transfer is not None:
+        kwargs["kv_transfer_config"] = kv_transfer
+        kwargs["block_size"] = int(kv_transfer["kv_connector_extra_config"]["block_size"])
     return kwargs
+
+
+def kv_transfer_params(request: GenerationRequest) -> dict[str, Any]:
+    """What the connector reads per request (``SamplingParams.extra_args``)."""
+    params: dict[str, Any] = {"tenant": request.tenant or "default"}
+    if request.session_id:
+        params["session_id"] = request.session_id
+    return params
 
 
 def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
@@ -172,10 +237,32 @@ class VLLMEngine(Engine):
         self._num_steps = 0
         self._num_generated_tokens = 0
         self.start_seconds: Optional[float] = None
+        # Connected to the data plane: blocks vLLM evicts survive in Redis.
+        self.kv_connected = "kv_transfer_config" in self.engine_kwargs
+        if self.kv_connected:
+            self.capabilities = dataclasses.replace(type(self).capabilities, supports_kv_export=True)
+        # Prompt tokens the connector offered from Redis (vLLM's connector prefix-cache
+        # hits, counted when scheduled; a load that then fails is recomputed).
+        self.num_kv_connector_hit_tokens = 0
 
     @classmethod
     def from_app_config(cls, config: "AppConfig") -> "VLLMEngine":
         model_path = str(config.model.resolved_path())
+        on_cpu = _on_cpu()
+        dp = config.dataplane
+        kv_transfer = None
+        if dp.enabled and dp.kv_reuse:
+            kv_transfer = kv_transfer_kwargs(
+                model_id=config.model.id,
+                block_size=vllm_kv_block_size(dp.block_size, on_cpu=on_cpu),
+                redis_url=dp.redis.url,
+                redis_password_env=dp.redis.password_env,
+                socket_timeout_s=dp.redis.socket_timeout_s,
+                connect_timeout_s=dp.redis.connect_timeout_s,
+                retry_interval_s=dp.redis.reconnect_interval_s,
+                kv_ttl_s=dp.kv_ttl_s,
+                session_ttl_s=dp.sessions.cache_ttl_s,
+            )
         kwargs = engine_args_kwargs(
             model_path=model_path,
             served_model_name=config.model.id,
@@ -183,7 +270,8 @@ class VLLMEngine(Engine):
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.engine.max_num_seqs,
             options=config.engine.vllm,
-            on_cpu=_on_cpu(),
+            on_cpu=on_cpu,
+            kv_transfer=kv_transfer,
         )
         return cls(model_path, engine_kwargs=kwargs, max_model_len=config.model.max_model_len)
 
@@ -213,7 +301,12 @@ class VLLMEngine(Engine):
             "ClientError": VLLMClientError,
         }
         started = time.monotonic()
-        args = AsyncEngineArgs(**self.engine_kwargs)
+        engine_kwargs = dict(self.engine_kwargs)
+        if isinstance(engine_kwargs.get("kv_transfer_config"), dict):
+            from vllm.config import KVTransferConfig
+
+            engine_kwargs["kv_transfer_config"] = KVTransferConfig(**engine_kwargs["kv_transfer_config"])
+        args = AsyncEngineArgs(**engine_kwargs)
         # Built on this loop: AsyncLLM binds its ZMQ sockets and output handler to the
         # running loop. This blocks the loop while the EngineCore loads the weights
         # (the replica is not serving yet then).
@@ -246,6 +339,9 @@ class VLLMEngine(Engine):
                     )
                     engine._kv_usage = float(scheduler_stats.kv_cache_usage)
                     engine._num_steps += 1
+                    hits = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+                    if hits is not None:
+                        engine.num_kv_connector_hit_tokens += int(hits.hits)
 
             def log_engine_initialized(self):
                 pass
@@ -293,26 +389,12 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     def _validate(self, request: GenerationRequest) -> None:
-        params = request.sampling
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestRejected("prompt is empty", param="prompt")
-        if params.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {params.max_tokens}", param="max_tokens")
-        if params.temperature < 0:
-            raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
-        if not 0 < params.top_p <= 1:
-            raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        try:
-            check_fits(num_prompt, params.max_tokens, self.max_model_len)
-        except SequenceTooLong as e:
-            raise RequestRejected(
-                str(e), param="max_tokens" if num_prompt < self.max_model_len else "prompt"
-            ) from None
-        if request.request_id in self._active_ids:
-            raise RequestRejected(f"duplicate request_id {request.request_id!r}", param="request_id")
+        validate_request(
+            request,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            active_ids=self._active_ids,
+        )
 
     def _flush_tail(self, token_ids: list[int], streamed: str) -> str:
         """Text vLLM's incremental detokenizer still holds back when a request ends.
@@ -339,7 +421,10 @@ class VLLMEngine(Engine):
         if llm.errored:
             raise EngineDeadError("vLLM EngineCore is dead")
         v = self._vllm
-        params = v["SamplingParams"](**sampling_params_kwargs(request.sampling), output_kind=v["DELTA"])
+        extra = {"kv_transfer_params": kv_transfer_params(request)} if self.kv_connected else None
+        params = v["SamplingParams"](
+            **sampling_params_kwargs(request.sampling), output_kind=v["DELTA"], extra_args=extra
+        )
         prompt = v["TokensPrompt"](prompt_token_ids=list(request.prompt_token_ids))
         num_prompt = len(request.prompt_token_ids)
         num_output = 0

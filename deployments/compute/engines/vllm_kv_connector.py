@@ -1,0 +1,351 @@
+"""vLLM KV connector (v1 interface) onto the data plane's L3: Redis, our keys, our blocks.
+
+vLLM's own prefix cache is L1; this connector keeps the blocks it would lose. vLLM loads
+it from ``KVTransferConfig(kv_connector="DataPlaneKVConnector",
+kv_connector_module_path=__name__)`` and builds it twice: once in the EngineCore's
+scheduler (role SCHEDULER) and once in each worker process (role WORKER). Neither process
+is a Ray worker, so both talk to Redis directly with the synchronous client.
+
+Contract
+--------
+* Block = ``B`` tokens, ``B`` = vLLM's KV block size (``cache_config.block_size``).
+* Block name = ``kv.block_hashes(f"{model_id}|vllm", tenant, token_ids, B)``: the chained
+  hash the torch engine uses, in a namespace of its own (vLLM's layout differs).
+* Keys and write order = ``redis_store.put_blocks``: payload ``llm:<t>:kv:<h>`` first, then
+  index ``llm:<t>:kvi:<h>`` (payload length), payload TTL = index TTL + 60 s; when the
+  request names a session, ``<hash0>|<h>`` joins ``llm:<t>:sess:<id>:blocks`` so deleting
+  the session deletes them. So the DataPlane's lookup/get/delete see these blocks too.
+* Tenant and session come per request in ``SamplingParams.extra_args["kv_transfer_params"]``
+  (``{"tenant": ..., "session_id": ...}``); tenant defaults to ``"default"``.
+* Scheduler: ``get_num_new_matched_tokens`` computes the prompt's block hashes (at most
+  ``(len-1)//B`` blocks, so one token is always computed) and MGETs their index keys in one
+  round trip; the run of present blocks after vLLM's local hit is what it offers to load.
+  Each step, blocks that became full (prompt or generated tokens) and that Redis lacked
+  are scheduled for saving.
+* Worker: ``start_load_kv`` (before the forward, vLLM's synchronous-load path) MGETs the
+  payloads, checks each (``blocks.decode_block``: magic, version, length, crc32) and its
+  header against this engine's (dtype, shape, layout) and copies it into the paged cache;
+  a failure marks that block and the request's later ones invalid
+  (``get_block_ids_with_load_errors``) and vLLM, with ``kv_load_failure_policy=
+  "recompute"``, recomputes them: a miss, never wrong output. ``wait_for_save`` (after the
+  forward) copies the blocks out and writes them in one pipeline.
+* Any Redis error is a miss (or a skipped save) plus one log line; after one, Redis is not
+  tried again for ``retry_interval_s`` (no timeout per step during an outage).
+
+Block layout
+------------
+vLLM's CPU attention backend keeps, per layer, ``[num_blocks, heads, B, 2*head_dim]``,
+whose block interior is in memory ``[heads, 2(k then v), B, head_dim]``. A stored block is
+every layer's interior stacked in the model's layer order: shape ``[layers, heads, 2, B,
+head_dim]``, dtype of the cache, layout ``"vllm-cpu:layers,heads,kv,tokens,head_dim"``.
+Other per-layer shapes (GPU backends keep ``[2, num_blocks, ...]``) are not handled: the
+connector then stays off (every lookup a miss) and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from deployments.compute.engines.kv import block_hashes
+from deployments.dataplane import keys
+from deployments.dataplane.blocks import BlockHeader, CorruptBlockError, decode_block, encode_block
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under "vllm." so the lines reach vLLM's handlers in the EngineCore and worker processes.
+logger = init_logger("vllm.dataplane_kv_connector")
+
+CPU_LAYOUT = "vllm-cpu:layers,heads,kv,tokens,head_dim"
+PAYLOAD_TTL_MARGIN_S = 60  # as redis_store: the index expires before its payload
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to load or save: ``hashes[i]`` lives in ``block_ids[i]``."""
+
+    req_id: str
+    tenant: str
+    hashes: list[str]
+    block_ids: list[int]
+    session_id: Optional[str] = None
+    chain_head: str = ""  # the request's first block hash (the session member's shard key)
+
+
+@dataclass
+class DataPlaneConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: "Request"
+    tenant: str
+    session_id: Optional[str]
+    present: list[bool]  # per leading block: already in Redis (from the lookup)
+    next_block: int = 0  # blocks below this one are saved or known present
+
+
+class _Redis:
+    """A lazily built synchronous client that backs off after a failure."""
+
+    def __init__(self, extra: dict[str, Any]):
+        self._url = str(extra.get("redis_url", "redis://127.0.0.1:6379/0"))
+        env = extra.get("redis_password_env")
+        self._password = (os.environ.get(env) if env else None) or None
+        self._socket_timeout = float(extra.get("socket_timeout_s", 2.0))
+        self._connect_timeout = float(extra.get("connect_timeout_s", 1.0))
+        self.retry_interval_s = float(extra.get("retry_interval_s", 1.0))
+        self._client = None
+        self._down_until = 0.0
+
+    def client(self):
+        """The client, or None while backing off after a failure."""
+        if time.monotonic() < self._down_until:
+            return None
+        if self._client is None:
+            import redis
+
+            self._client = redis.Redis.from_url(
+                self._url,
+                password=self._password,
+                socket_timeout=self._socket_timeout,
+                socket_connect_timeout=self._connect_timeout,
+            )
+        return self._client
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        logger.warning(
+            "KV connector: Redis %s failed (%s: %s); treated as a miss, retrying in %.1fs",
+            what, type(exc).__name__, exc, self.retry_interval_s,
+        )
+        self._down_until = time.monotonic() + self.retry_interval_s
+        if self._client is not None:
+            try:
+                self._client.connection_pool.disconnect()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class DataPlaneKVConnector(KVConnectorBase_V1):
+    """Saves vLLM's KV blocks to the data plane's Redis and loads them back (see module)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._block_size = int(vllm_config.cache_config.block_size)
+        wanted = extra.get("block_size")
+        if wanted is not None and int(wanted) != self._block_size:
+            logger.warning(
+                "KV connector: vLLM's block size is %d, not the configured %s; blocks are %d tokens",
+                self._block_size, wanted, self._block_size,
+            )
+        self._model_ns = f"{extra.get('model_id') or vllm_config.model_config.model}|vllm"
+        self._kv_ttl_s = int(extra.get("kv_ttl_s", 86_400))
+        self._session_ttl_s = int(extra.get("session_ttl_s", 1800))
+        self._redis = _Redis(extra)
+        # scheduler side
+        # req id → (tenant, session, hashes, present, vLLM's local hit in blocks)
+        self._lookups: dict[str, tuple[str, Optional[str], list[str], list[bool], int]] = {}
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[Transfer] = []
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._header: Optional[BlockHeader] = None
+        self._load_errors: set[int] = set()
+        self.num_loaded_tokens = 0  # counters (per process)
+        self.num_saved_blocks = 0
+
+    # ------------------------------------------------------------------ scheduler side
+
+    @staticmethod
+    def _params(request: "Request") -> tuple[str, Optional[str]]:
+        p = getattr(request, "kv_transfer_params", None) or {}
+        return str(p.get("tenant") or "default"), (p.get("session_id") or None)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        tenant, session_id = self._params(request)
+        tokens = list(request.all_token_ids)
+        n_max = max(0, (len(tokens) - 1) // self._block_size)
+        hashes = block_hashes(self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size)
+        present = [False] * len(hashes)
+        client = self._redis.client() if hashes else None
+        if client is not None:
+            try:
+                values = client.mget([keys.block_index_key(tenant, h) for h in hashes])
+                present = [v is not None for v in values]
+            except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
+                self._redis.failed("lookup", e)
+        local = num_computed_tokens // self._block_size
+        self._lookups[request.request_id] = (tenant, session_id, hashes, present, local)
+        run = 0
+        while local + run < len(present) and present[local + run]:
+            run += 1
+        if run == 0:
+            return 0, False
+        return (local + run) * self._block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        rid = request.request_id
+        tenant, session_id, hashes, present, first = self._lookups.pop(rid, None) or (
+            *self._params(request), [], [], 0
+        )
+        self._reqs[rid] = _ReqState(request, tenant, session_id, present)
+        if num_external_tokens <= 0 or not hashes:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        last = min(len(hashes), first + num_external_tokens // self._block_size)
+        self._pending_loads.append(
+            Transfer(rid, tenant, hashes[first:last], block_ids[first:last], session_id, hashes[0])
+        )
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = DataPlaneConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            tokens = req.all_token_ids
+            # Tokens whose KV exists after this step (request.num_computed_tokens is
+            # advanced only after this call); capped at the tokens known (async scheduling).
+            full = min(req.num_computed_tokens + n_sched, len(tokens)) // self._block_size
+            if full <= st.next_block:
+                continue
+            hashes = block_hashes(self._model_ns, st.tenant, list(tokens[: full * self._block_size]), self._block_size)
+            todo = [i for i in range(st.next_block, full) if not (i < len(st.present) and st.present[i])]
+            st.next_block = full
+            if not todo:
+                continue
+            assert self._kv_cache_manager is not None
+            block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
+            meta.saves.append(
+                Transfer(rid, st.tenant, [hashes[i] for i in todo], [block_ids[i] for i in todo],
+                         st.session_id, hashes[0])
+            )
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._reqs.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        num_blocks = self._kv_cache_config.num_blocks
+        shapes = {tuple(t.shape) for t in kv_caches.values()}
+        dtypes = {t.dtype for t in kv_caches.values()}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            logger.warning("KV connector off: layers have different KV shapes %s", shapes)
+            return
+        shape = next(iter(shapes))
+        if len(shape) != 4 or shape[0] != num_blocks or shape[2] != self._block_size or shape[3] % 2:
+            logger.warning("KV connector off: unsupported per-layer KV shape %s", shape)
+            return
+        self._kv_caches = dict(kv_caches)  # insertion order = the model's layer order
+        _, heads, b, two_d = shape
+        self._header = BlockHeader(
+            dtype=str(next(iter(dtypes))).removeprefix("torch."),
+            shape=(len(kv_caches), heads, 2, b, two_d // 2),
+            layout=CPU_LAYOUT,
+        )
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DataPlaneConnectorMetadata)
+        for t in meta.loads:
+            good = self._load_one(t)
+            # vLLM recomputes from the first invalid block on (policy "recompute").
+            self._load_errors.update(t.block_ids[good:])
+
+    def _load_one(self, t: Transfer) -> int:
+        """Loads the leading good blocks of ``t``; returns how many."""
+        if self._header is None:
+            return 0
+        client = self._redis.client()
+        if client is None:
+            return 0
+        try:
+            datas = client.mget([keys.block_key(t.tenant, h) for h in t.hashes])
+        except Exception as e:  # noqa: BLE001
+            self._redis.failed("load", e)
+            return 0
+        blocks = []
+        for h, data in zip(t.hashes, datas):
+            try:
+                if data is None:
+                    raise CorruptBlockError("payload missing")
+                header, payload = decode_block(data)
+                if header != self._header:
+                    raise CorruptBlockError(f"header {header} is not this engine's {self._header}")
+            except CorruptBlockError as e:
+                logger.warning("KV connector: block %s of tenant %r is a miss: %s", h, t.tenant, e)
+                break
+            blocks.append(payload)
+        caches = list(self._kv_caches.values())
+        for block_id, payload in zip(t.block_ids, blocks):
+            kv = torch.frombuffer(bytearray(payload), dtype=caches[0].dtype).view(self._header.shape)
+            for layer, cache in enumerate(caches):
+                cache[block_id].copy_(kv[layer].reshape(cache.shape[1:]))
+        self.num_loaded_tokens += len(blocks) * self._block_size
+        logger.info("KV connector: loaded %d/%d blocks for %s", len(blocks), len(t.hashes), t.req_id)
+        return len(blocks)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # everything is saved after the forward, in wait_for_save
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DataPlaneConnectorMetadata)
+        if not meta.saves or self._header is None:
+            return
+        client = self._redis.client()
+        if client is None:
+            return
+        caches = list(self._kv_caches.values())
+        pipe = client.pipeline(transaction=False)
+        n = 0
+        for t in meta.saves:
+            ids = torch.tensor(t.block_ids, dtype=torch.long)
+            # [blocks, layers, heads, B, 2*D] → per block, contiguous [layers, heads, 2, B, D].
+            stacked = torch.stack([c.index_select(0, ids) for c in caches], dim=1)
+            for i, h in enumerate(t.hashes):
+                data = encode_block(self._header, stacked[i].contiguous().view(torch.uint8).numpy().tobytes())
+                pipe.set(keys.block_key(t.tenant, h), data, ex=self._kv_ttl_s + PAYLOAD_TTL_MARGIN_S)
+                pipe.set(keys.block_index_key(t.tenant, h), len(data), ex=self._kv_ttl_s)
+                n += 1
+            if t.session_id:
+                skey = keys.session_blocks_key(t.tenant, t.session_id)
+                pipe.sadd(skey, *[keys.session_block_member(t.chain_head, h) for h in t.hashes])
+                pipe.expire(skey, max(self._session_ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S)
+        try:
+            pipe.execute()
+            self.num_saved_blocks += n
+        except Exception as e:  # noqa: BLE001 - a lost save is a later miss
+            self._redis.failed("save", e)

@@ -176,7 +176,9 @@ class LimitsConfig(_Strict):
 
 class IngressConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
-    num_cpus: float = Field(default=0.5, ge=0, le=64)
+    # With the defaults every deployment fits Ray's 2 logical CPUs of a 2-core laptop
+    # (`serve run` without a cluster): ingress 0.25 + router 0.25 + worker 1 + 2 × 0.25.
+    num_cpus: float = Field(default=0.25, ge=0, le=64)
 
 
 class TelemetryConfig(_Strict):

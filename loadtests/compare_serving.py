@@ -53,17 +53,10 @@ def app_args(model_path: Path, num_threads: int, overrides: dict) -> dict:
 
 
 def wait_ready(base_url: str, timeout_s: float = 600) -> None:
-    import httpx
+    from app.cli import wait_ready as poll_ready
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base_url + "/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
+    if not poll_ready(base_url, timeout_s):
+        raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
 
 
 async def direct_engine_level(model_path: Path, num_threads: int, args) -> dict:

@@ -58,15 +58,10 @@ def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int)
 
 
 def wait_ready(base_url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base_url + "/ready", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
+    from app.cli import wait_ready as poll_ready
+
+    if not poll_ready(base_url, timeout_s):
+        raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
 
 
 def flush_l2(app_name: str) -> None:

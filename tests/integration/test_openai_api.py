@@ -5,7 +5,6 @@ local Ray, with the offline tiny model, driven by the official `openai` client a
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx

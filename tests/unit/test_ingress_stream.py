@@ -4,7 +4,6 @@ error event and [DONE]; a normal stream ends with finish_reason, usage and [DONE
 import json
 from types import SimpleNamespace
 
-import pytest
 
 from app.config import AppConfig
 from app.ingress import Ingress, _Call

@@ -6,11 +6,16 @@ Request path inside one router replica::
              ─ dispatch: each member of a batch calls the worker with the batch's key, so
                the request router (placement.py) puts the whole batch on one replica
              ─ stream the worker's deltas back; closing the stream cancels the worker call.
+             ─ a worker call that fails before its first delta because the replica or its
+               engine died (:func:`is_retryable_death`) is retried once, after waiting
+               (within the request's time) for a worker that answers ``ready``; after the
+               first delta a failure always reaches the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -23,10 +28,10 @@ from ray.util import metrics
 
 from app import telemetry
 from app.config import AppConfig
-from app.errors import RateLimitError
+from app.errors import RateLimitError, _causes
 from app.telemetry import LATENCY_BUCKETS_S
 from deployments.compute.engines.kv import block_hashes
-from deployments.compute.engines.protocol import GenerationRequest, TokenDelta
+from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
 from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER
 
@@ -48,6 +53,29 @@ class Admission:
 
     def release(self) -> None:
         self.depth -= 1
+
+
+def _death_types() -> tuple[type, ...]:
+    types: tuple[type, ...] = (EngineDeadError,)
+    try:
+        import ray.exceptions as rex
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        types += (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, DeploymentUnavailableError)
+    except ImportError:  # pragma: no cover
+        pass
+    return types
+
+
+_DEATH_TYPES = _death_types()
+
+
+def is_retryable_death(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a cause Ray wrapped it in) says the worker replica or its engine
+    died, so the same request may run again elsewhere: a dead engine, a dead or
+    unreachable replica actor, or a deployment with no replica to take it. Errors of the
+    request itself (rejection, a failed step of a live engine, timeouts) are not."""
+    return any(isinstance(cause, _DEATH_TYPES) for cause in _causes(exc))
 
 
 @dataclass(eq=False, slots=True)
@@ -102,12 +130,21 @@ class Router:
         self._m_prefetch = metrics.Counter(
             "llm_router_prefetch_requests", "Prefetches of session KV blocks asked of the data plane."
         )
+        self._m_retries = metrics.Counter(
+            "llm_router_retries",
+            "Requests sent to a worker again because the first one died before any token.",
+            tag_keys=("error",),
+        )
         self._prefetch_tasks: set[asyncio.Task] = set()
 
     def _prefetch(self, request: GenerationRequest) -> None:
         """Ask the data plane to bring a session's blocks up to host memory while the
         request waits here: compute (queueing) and data (fetching) overlap."""
+        # Only the torch engine reads blocks through the data plane's host-memory tier;
+        # vLLM's connector reads Redis directly (docs/vllm_kv.md), so nothing to warm.
         if self._dataplane is None or request.session_id is None:
+            return
+        if self._config.engine.name != "torch" or not self._config.dataplane.kv_reuse:
             return
         hashes = block_hashes(
             self._config.model.id,
@@ -160,7 +197,63 @@ class Router:
         except Exception:  # a worker still starting: keep the configured batching
             self._batching_resolved = False
 
+    async def _await_ready_worker(self, deadline: float) -> None:
+        """Wait until a worker answers ``ready`` (with one replica: its replacement),
+        polling while the dead one is still routed to; raises once ``deadline`` passes."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError()
+            try:
+                await asyncio.wait_for(self._capabilities_worker.ready.remote(), remaining)
+                return
+            except asyncio.TimeoutError:
+                raise
+            except Exception as e:  # noqa: BLE001 - only deaths are waited out
+                if not is_retryable_death(e):
+                    raise
+            await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+
+    async def _stream_with_retry(
+        self, request: GenerationRequest, batch_key: str, deadline: float
+    ) -> AsyncIterator[TokenDelta]:
+        """The worker's deltas; one more try, on any replica, if the worker or its engine
+        died before the first delta. Never after it: the client already has tokens."""
+        retried = False
+        while True:
+            stream = self._worker.generate.remote(request, batch_key=batch_key)
+            got_delta = ended = False
+            try:
+                async for delta in stream:
+                    got_delta = True
+                    yield delta
+                ended = True
+                return
+            except Exception as e:
+                ended = True
+                if got_delta or retried or not is_retryable_death(e):
+                    raise
+                error = e
+            finally:
+                if not ended:  # closed or cancelled by the caller: stop the worker's work
+                    stream.cancel()
+            retried = True
+            self._m_retries.inc(tags={"error": type(error).__name__})
+            logger.warning(
+                "request %s: worker died before the first token (%s: %s); retrying once",
+                request.request_id,
+                type(error).__name__,
+                str(error).splitlines()[0][:200] if str(error) else "",
+            )
+            try:
+                await self._await_ready_worker(deadline)
+            except asyncio.TimeoutError:
+                raise error from None
+            # A fresh placement: the batch's affinity may still point at the dead replica.
+            batch_key = f"{batch_key}-retry"
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        deadline = time.monotonic() + self._config.limits.request_timeout_s
         if not self._admission.try_acquire():
             self._m_rejected.inc()
             retry_after = str(self._config.router.retry_after_s)
@@ -183,9 +276,9 @@ class Router:
                 batch_key = await item.dispatched
                 span.set_attribute("llm.batch_key", batch_key)
                 request.trace_headers = telemetry.inject_context()
-            stream = self._worker.generate.remote(request, batch_key=batch_key)
-            async for delta in stream:
-                yield delta
+            async with contextlib.aclosing(self._stream_with_retry(request, batch_key, deadline)) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             if item is not None and (item.dispatched.cancelled() or not item.dispatched.done()):
                 # The client left while the request waited for its batch.

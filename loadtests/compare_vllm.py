@@ -1,0 +1,323 @@
+"""Our Serve app with the vLLM engine versus plain ``vllm serve``, same engine options.
+
+    python -m loadtests.compare_vllm [--rounds 2] [--concurrency 1,8,32] [--out FILE.json]
+
+On the tiny checkpoint (``models/tiny``, built if missing) it alternates, in each round:
+
+* (a) ``ours``: a local Ray and our application (ingress → router → ComputeWorker with
+  ``engine.name: vllm``; data plane off, as plain vLLM has none), then ``ray.shutdown()``;
+* (b) ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` in its own process group
+  (the ``vllm`` CLI trips over this package's name), then the whole group is stopped.
+
+Never both at once. The vLLM engine options are the ones our config produces
+(``engine_args_kwargs``: enforce_eager, max_num_seqs, KV cache bytes, dtype, prefix
+caching, seed...), turned into the server's command-line flags, so both run the same
+engine. Each system is measured with ``loadtests.benchmark.run_level`` (completions
+endpoint, token-id prompts, ignore_eos, streaming) at each concurrency. The table, the
+ratios ours/vllm of output-token throughput and of TTFT p50 (median over rounds), and the
+machine's load average around each phase go to stdout and to the JSON file. Loopback
+only. Every process is stopped at the end, also on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from loadtests.benchmark import format_table, run_level
+
+MODEL_NAME = "bench"
+
+
+def _say(msg: str) -> None:
+    print(f"[compare_vllm] {msg}", file=sys.stderr, flush=True)
+
+
+def app_args(model_path: Path, args) -> dict:
+    return {
+        "model": {"id": MODEL_NAME, "path": str(model_path)},
+        "engine": {
+            "name": "vllm",
+            "max_num_seqs": args.max_num_seqs,
+            "vllm": {"enforce_eager": True, "cpu_kv_cache_space_gib": args.kv_gib},
+        },
+        # Ray sets OMP_NUM_THREADS to an actor's num_cpus (the EngineCore inherits it):
+        # all cores, as plain vLLM's torch uses by default.
+        "compute": {"num_replicas": 1, "num_cpus": os.cpu_count() or 1},
+        "router": {"max_queue_depth": 1024},
+        "limits": {"default_max_tokens": args.output_len},
+        "dataplane": {"enabled": False},
+    }
+
+
+def vllm_flags(model_path: Path, args) -> list[str]:
+    """``api_server`` flags for exactly the engine arguments our config gives vLLM."""
+    from app.config import AppConfig
+    from deployments.compute.engines.vllm_engine import _on_cpu, engine_args_kwargs
+
+    cfg = AppConfig.model_validate(app_args(model_path, args))
+    kwargs = engine_args_kwargs(
+        model_path=str(model_path),
+        served_model_name=MODEL_NAME,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        max_num_seqs=cfg.engine.max_num_seqs,
+        options=cfg.engine.vllm,
+        on_cpu=_on_cpu(),
+    )
+    flags: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_http(url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+class VLLMServer:
+    """``python -m vllm.entrypoints.openai.api_server`` in its own process group."""
+
+    def __init__(self, flags: list[str], port: int, log_path: Path):
+        self.cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            *flags, "--host", "127.0.0.1", "--port", str(port),
+        ]
+        self.port = port
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout_s: float) -> float:
+        started = time.monotonic()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            wait_http(f"http://127.0.0.1:{self.port}/v1/models", timeout_s, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the leader's pid is the group's id
+        try:
+            os.killpg(pgid, signal.SIGTERM)  # the server, its EngineCore and workers
+            proc.wait(30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            _say("vLLM server ignored SIGTERM for 30 s")
+        # The EngineCore and its workers may outlive the leader for a moment.
+        deadline = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            _say(f"vLLM server {proc.pid} still there after SIGKILL")
+        self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class OurApp:
+    """A local Ray with our application; ``stop`` shuts Ray down (its processes too)."""
+
+    def __init__(self, model_path: Path, args, port: int):
+        self.app_args = app_args(model_path, args)
+        self.port = port
+        self.running = False
+
+    def start(self, timeout_s: float) -> float:
+        import ray
+        from ray import serve
+
+        from app.builder import build_app
+
+        started = time.monotonic()
+        self.running = True
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        serve.run(build_app(self.app_args), name="bench", route_prefix="/", blocking=False)
+        wait_http(f"http://127.0.0.1:{self.port}/ready", timeout_s)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def measure(base_url: str, system: str, rnd: int, args) -> list[dict]:
+    levels = []
+    for c in args.concurrency:
+        n = max(args.min_prompts, args.prompts_per_slot * c)
+        _say(f"round {rnd}: {system} concurrency {c}, {n} requests")
+        before = _loadavg()
+        level = asyncio.run(
+            run_level(
+                base_url, MODEL_NAME, c, n, input_len=args.input_len, output_len=args.output_len,
+                vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
+                label=f"{system} c={c} r{rnd}", progress=False,
+            )
+        )
+        level.update(system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg())
+        levels.append(level)
+    return levels
+
+
+def ratios(levels: list[dict], concurrencies: list[int]) -> dict:
+    def med(system: str, c: int, key: str) -> Optional[float]:
+        vals = [l[key] for l in levels if l["system"] == system and l["concurrency"] == c and l.get(key)]
+        return statistics.median(vals) if vals else None
+
+    out = {}
+    for c in concurrencies:
+        row = {}
+        for key, name in (("output_throughput", "output_tput"), ("p50_ttft_ms", "ttft_p50")):
+            ours, theirs = med("ours", c, key), med("vllm", c, key)
+            row[f"ours_{name}"] = ours
+            row[f"vllm_{name}"] = theirs
+            row[f"{name}_ours_over_vllm"] = ours / theirs if ours and theirs else None
+        out[f"c{c}"] = row
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.compare_vllm")
+    p.add_argument("--model-dir", default="models/tiny")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompts-per-slot", type=int, default=4, help="requests per level = this x c")
+    p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-gib", type=float, default=1.0, help="CPU KV cache space of each engine")
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtests/results/compare_vllm.json")
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+
+    from app.model_builder import ensure_model
+
+    model_path = ensure_model(Path(args.model_dir), "tiny")
+    args.vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    base_url = f"http://127.0.0.1:{args.port}"
+    log_path = Path(tempfile.gettempdir()) / f"compare_vllm_server_{os.getpid()}.log"
+    flags = vllm_flags(model_path, args)
+    vllm_server = VLLMServer(flags, args.port, log_path)
+    ours = OurApp(model_path, args, args.port)
+    _say(f"vllm flags: {' '.join(flags)} (server log: {log_path})")
+
+    # SIGTERM ends the run like Ctrl-C, through the finally below.
+    def on_sigterm(*_):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    levels: list[dict] = []
+    startups: list[dict] = []
+    try:
+        for rnd in range(1, args.rounds + 1):
+            # Alternate which goes first, so drift on a shared machine hits both alike.
+            order = [("ours", ours), ("vllm", vllm_server)]
+            if rnd % 2 == 0:
+                order.reverse()
+            for name, system in order:
+                _say(f"round {rnd}/{args.rounds}: starting {name}")
+                try:
+                    startup_s = system.start(args.start_timeout_s)
+                    startups.append({"system": name, "round": rnd, "startup_s": round(startup_s, 1)})
+                    levels += measure(base_url, name, rnd, args)
+                finally:
+                    _say(f"round {rnd}/{args.rounds}: stopping {name}")
+                    system.stop()
+    except KeyboardInterrupt:
+        _say("interrupted: everything stopped")
+        return 130
+    finally:
+        vllm_server.stop()
+        ours.stop()
+
+    result = {
+        "args": vars(args),
+        "vllm_command": vllm_server.cmd,
+        "cpu_count": os.cpu_count(),
+        "startups": startups,
+        "levels": levels,
+        "ratios": ratios(levels, args.concurrency),
+    }
+    print(format_table(levels))
+    print(f"{'c':>4}  {'out tok/s ours':>14}  {'vllm':>8}  {'ratio':>6}  {'TTFT p50 ms ours':>16}  {'vllm':>8}  {'ratio':>6}")
+    for c in args.concurrency:
+        r = result["ratios"][f"c{c}"]
+        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        print(
+            f"{c:>4}  {f(r['ours_output_tput']):>14}  {f(r['vllm_output_tput']):>8}  "
+            f"{f(r['output_tput_ours_over_vllm'], 2):>6}  {f(r['ours_ttft_p50']):>16}  "
+            f"{f(r['vllm_ttft_p50']):>8}  {f(r['ttft_p50_ours_over_vllm'], 2):>6}"
+        )
+    print("startup s:", ", ".join(f"{s['system']} r{s['round']} {s['startup_s']}" for s in startups))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    _say(f"stored {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

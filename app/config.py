@@ -109,6 +109,14 @@ class EngineConfig(_Strict):
         default=True,
         description="Run one generation before the replica reports ready.",
     )
+    stream_interval_ms: float = Field(
+        default=15.0,
+        ge=0,
+        le=1000,
+        description="A worker sends a request's tokens on at most every this many ms (the "
+        "first token at once): each message crosses worker → router → ingress, so fewer, "
+        "fuller messages cost less CPU per token. 0 sends every engine delta.",
+    )
     vllm: VLLMOptions = Field(
         default_factory=VLLMOptions, description="Options of the vllm engine (ignored by torch)."
     )

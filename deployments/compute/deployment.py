@@ -6,6 +6,8 @@ if configured, run a warm-up generation, because Serve waits for ``__init__`` to
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,6 +23,8 @@ from deployments.compute.engines import create_engine
 from deployments.compute.engines.protocol import (
     Engine,
     EngineCapabilities,
+    EngineDeadError,
+    EngineError,
     EngineStats,
     GenerationRequest,
     SamplingParams,
@@ -99,9 +103,25 @@ class ComputeWorker:
             span.set_attribute("llm.request_id", request.request_id)
             span.set_attribute("llm.prompt_tokens", len(request.prompt_token_ids))
             num_tokens = 0
-            async for delta in self._engine.generate(request):
-                num_tokens += len(delta.token_ids)
-                yield delta
+            interval_s = self._config.engine.stream_interval_ms / 1000.0
+            try:
+                # aclosing: a cancellation that lands outside the engine's iterator (in
+                # the sleep below) must still close it, which aborts the request.
+                async with contextlib.aclosing(self._engine.generate(request)) as deltas:
+                    async for delta in deltas:
+                        num_tokens += len(delta.token_ids)
+                        yield delta
+                        if interval_s and delta.finish_reason is None:
+                            # Tokens keep coming while we wait; the engine hands them
+                            # over coalesced into the next delta.
+                            await asyncio.sleep(interval_s)
+            except EngineError as e:
+                # A request failed by an engine that died with it (the torch loop fails
+                # its requests with the step's error) reports the death, so the router
+                # can send it elsewhere when no token was out yet.
+                if not isinstance(e, EngineDeadError) and await self._engine_dead():
+                    raise EngineDeadError(f"the engine died: {e}") from e
+                raise
             span.set_attribute("llm.output_tokens", num_tokens)
             self._m_tokens.inc(num_tokens)
 
@@ -119,6 +139,36 @@ class ComputeWorker:
         # Serve replaces the replica when this raises (engine thread or process died).
         await self._engine.check_health()
 
+    async def _engine_dead(self) -> bool:
+        try:
+            await self._engine.check_health()
+        except EngineDeadError:
+            return True
+        return False
+
+    def debug_kill_engine(self) -> list[int]:
+        """Test hook: make the engine die as a crash would, leaving the replica up (so
+        ``check_health`` has to notice). vLLM: SIGKILL its EngineCore child process(es);
+        torch: the loop thread's next forward raises. Returns the killed pids."""
+        import os
+        import signal
+
+        import psutil
+
+        children = psutil.Process().children(recursive=False)
+        cores = [p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        for proc in cores:
+            os.kill(proc.pid, signal.SIGKILL)
+        if not cores and hasattr(self._engine, "logits_hook"):
+
+            def crash(*_):
+                raise RuntimeError("engine crash injected by debug_kill_engine")
+
+            self._engine.logits_hook = crash
+        elif not cores:
+            raise RuntimeError(f"no way to kill engine {type(self._engine).__name__}")
+        return [p.pid for p in cores]
+
     def record_routing_stats(self) -> dict:
         """Polled by Serve and handed to the request router (see router/placement.py)."""
         stats = self._engine.stats()
@@ -129,6 +179,24 @@ class ComputeWorker:
 
     async def __del__(self):
         await self._engine.shutdown()
+
+
+def placement_options(config: AppConfig) -> dict:
+    """Resources of one replica. A sharded vLLM replica (tensor × pipeline > 1) reserves a
+    placement group: one bundle for the replica process, one GPU bundle per shard, packed
+    on one node for tensor parallelism (STRICT_PACK) or allowed across nodes for pipeline
+    parallelism (PACK); vLLM starts its shard workers in those bundles."""
+    compute = config.compute
+    opts = config.engine.vllm
+    num_shards = opts.tensor_parallel_size * opts.pipeline_parallel_size
+    if config.engine.name != "vllm" or num_shards == 1:
+        return {"ray_actor_options": {"num_cpus": compute.num_cpus, "num_gpus": compute.num_gpus}}
+    return {
+        "ray_actor_options": {"num_cpus": compute.num_cpus, "num_gpus": 0},
+        "placement_group_bundles": [{"CPU": compute.num_cpus}]
+        + [{"GPU": 1, "CPU": 1} for _ in range(num_shards)],
+        "placement_group_strategy": "STRICT_PACK" if opts.pipeline_parallel_size == 1 else "PACK",
+    }
 
 
 def worker_deployment(config: AppConfig):
@@ -142,7 +210,7 @@ def worker_deployment(config: AppConfig):
         max_ongoing_requests=compute.max_ongoing_requests,
         health_check_period_s=compute.health_check_period_s,
         health_check_timeout_s=compute.health_check_timeout_s,
-        ray_actor_options={"num_cpus": compute.num_cpus, "num_gpus": compute.num_gpus},
+        **placement_options(config),
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router.placement:QueueAwareRequestRouter",
             request_routing_stats_period_s=0.5,

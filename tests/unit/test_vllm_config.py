@@ -243,3 +243,28 @@ def test_kwargs_are_valid_vllm_engine_args():
 
     params = vllm.SamplingParams(**sampling_params_kwargs(SamplingParams(max_tokens=4, temperature=0, stop=["x"])))
     assert params.max_tokens == 4 and params.stop == ["x"]
+
+
+def test_sharded_replica_gets_a_placement_group_and_ray_executor():
+    from deployments.compute.deployment import placement_options
+
+    single = AppConfig.model_validate({"engine": {"name": "vllm"}, "compute": {"num_gpus": 1}})
+    assert placement_options(single) == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 1.0}}
+    tp = AppConfig.model_validate(
+        {"engine": {"name": "vllm", "vllm": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}, "compute": {"num_cpus": 2}}
+    )
+    opts = placement_options(tp)
+    assert opts["placement_group_bundles"] == [{"CPU": 2.0}] + [{"GPU": 1, "CPU": 1}] * 4
+    assert opts["placement_group_strategy"] == "PACK"
+    assert opts["ray_actor_options"]["num_gpus"] == 0
+    tp_only = AppConfig.model_validate({"engine": {"name": "vllm", "vllm": {"tensor_parallel_size": 2}}})
+    assert placement_options(tp_only)["placement_group_strategy"] == "STRICT_PACK"
+    kwargs = engine_args_kwargs(
+        model_path="/m", served_model_name=None, dtype="bfloat16", max_model_len=None,
+        max_num_seqs=8, options=tp.engine.vllm, on_cpu=False,
+    )
+    assert kwargs["distributed_executor_backend"] == "ray"
+    assert "distributed_executor_backend" not in engine_args_kwargs(
+        model_path="/m", served_model_name=None, dtype="bfloat16", max_model_len=None,
+        max_num_seqs=8, options=single.engine.vllm, on_cpu=False,
+    )

@@ -142,6 +142,10 @@ def engine_args_kwargs(
         # registry) stay off; the engine installs its own stat logger for stats().
         "disable_log_stats": True,
     }
+    if options.tensor_parallel_size * options.pipeline_parallel_size > 1:
+        # Shard workers go into the replica's placement group (see placement_options in
+        # deployments/compute/deployment.py).
+        kwargs["distributed_executor_backend"] = "ray"
     if served_model_name:
         kwargs["served_model_name"] = served_model_name
     if max_model_len is not None:

@@ -4,7 +4,7 @@
     python -m loadtests.multiturn [--preset small] [--turns 8] [--rounds 2] [--out FILE]
 
 Each conversation is a server-side session (X-Session-Id); every turn sends only its new
-user message (about --turn-tokens tokens), the reply is --reply-tokens long, so the
+user message (--turn-words words, about 3 tokens each), the reply is --reply-tokens long, so the
 context grows to about turns × (turn + reply) tokens. Modes, alternated per round so that
 drift on a shared machine hits them alike:
 
@@ -96,13 +96,23 @@ def ttft_of_turn(client: httpx.Client, sid: str, text: str, reply_tokens: int) -
     return ttft
 
 
+def worker_kv_stats(app_name: str) -> dict:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ComputeWorker", app_name=app_name)
+    return handle.kv_stats.remote().result(timeout_s=60)
+
+
 def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> list[float]:
     rng = random.Random(seed)
     ttfts = []
     with httpx.Client(base_url=base_url, timeout=600) as client:
         sid = client.post("/v1/sessions").json()["id"]
         for t in range(args.turns):
-            text = " ".join(rng.choice(WORDS) for _ in range(args.turn_tokens))
+            text = " ".join(rng.choice(WORDS) for _ in range(args.turn_words))
+            # A person reads and types between turns; the previous turn's KV blocks are
+            # written behind in that time (a turn fired at once may find them unsaved).
+            time.sleep(args.think_s)
             if mode == "l3":
                 flush_l2(app_name)
             ttfts.append(ttft_of_turn(client, sid, text, args.reply_tokens))
@@ -116,8 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="small", choices=["tiny", "small"])
     p.add_argument("--model-dir", default=None)
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--turn-tokens", type=int, default=220, help="words per user turn")
+    p.add_argument("--turn-words", type=int, default=65, help="words per user turn (~3 tokens each)")
     p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--think-s", type=float, default=1.5, help="pause between turns")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
@@ -134,6 +145,7 @@ def main(argv=None) -> int:
     model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
     base_url = f"http://127.0.0.1:{args.port}"
     runs: dict[str, list[list[float]]] = {"l2": [], "l3": [], "recompute": []}
+    kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
@@ -149,7 +161,11 @@ def main(argv=None) -> int:
                 wait_ready(base_url)
                 for mode in modes:
                     seed = 1000 * rnd + len(runs[mode])
+                    before = worker_kv_stats("bench")
                     runs[mode].append(conversation(base_url, mode, args, seed, "bench"))
+                    after = worker_kv_stats("bench")
+                    kv[mode].append({k: after[k] - before[k] for k in after if isinstance(after[k], int)})
+                    _say(f"  {mode} KV counters: {kv[mode][-1]}")
                 serve.shutdown()
         ray.shutdown()
 
@@ -167,9 +183,10 @@ def main(argv=None) -> int:
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{table[m][t]:>12.1f}" for m in table))
     print(json.dumps(ratios, indent=2))
+    print(json.dumps({"kv_counters_per_conversation": kv}, indent=2))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "raw_s": runs}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "kv_counters": kv, "raw_s": runs}, indent=2))
     _say(f"stored {out}")
     return 0
 

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, Ewma, KVConnector, PrefixHit
+from deployments.dataplane.blocks import pack_blocks, unpack_blocks
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,7 +71,8 @@ class DataPlaneKVConnector(KVConnector):
             return []
         started = time.perf_counter()
         try:
-            blocks = await self._call("get_blocks", tenant, hashes, shard_key=hashes[0])
+            packed = await self._call("get_blocks_packed", tenant, hashes, shard_key=hashes[0])
+            blocks = None if packed is None else unpack_blocks(*packed)
         except Exception as e:
             logger.warning("KV load failed, treating as a miss: %s", e)
             return None
@@ -104,7 +106,10 @@ class DataPlaneKVConnector(KVConnector):
 
     async def _save(self, tenant: str, hashes: list[str], blocks: list[bytes], session_id) -> None:
         try:
-            await self._call("put_blocks", tenant, hashes, blocks, session_id, shard_key=hashes[0])
+            data, lengths = await asyncio.to_thread(pack_blocks, blocks)
+            await self._call(
+                "put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=hashes[0]
+            )
         except Exception as e:
             logger.warning("KV save of %d blocks failed (dropped): %s", len(hashes), e)
 

@@ -34,7 +34,7 @@ from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
-from deployments.dataplane.blocks import CorruptBlockError, decode_block
+from deployments.dataplane.blocks import CorruptBlockError, decode_block, pack_blocks, unpack_blocks
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.tiers import Evicted, MemoryTier
 from deployments.dataplane.types import SessionRecord, new_session_id
@@ -427,6 +427,29 @@ class DataPlane:
         self._counts["get_hits_L2"] += n_l2
         self._counts["get_hits_L3"] += len(missing)
         return blocks
+
+    async def get_blocks_packed(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ):
+        """:meth:`get_blocks` as ``(uint8 array, lengths)`` (see ``blocks.pack_blocks``):
+        the form compute workers use, one object-store transfer per prefix."""
+        blocks = await self.get_blocks(tenant, hashes, shard_key=shard_key)
+        return None if blocks is None else pack_blocks(blocks)
+
+    async def put_blocks_packed(
+        self,
+        tenant: str,
+        hashes: list[str],
+        data,
+        lengths: list[int],
+        session_id: Optional[str] = None,
+        *,
+        shard_key: Optional[str] = None,
+    ) -> int:
+        """:meth:`put_blocks` of blocks packed by ``blocks.pack_blocks``."""
+        # bytes(): L2 keeps its own copy; the array is a read-only view of the object store.
+        blocks = [bytes(b) for b in unpack_blocks(data, lengths)]
+        return await self.put_blocks(tenant, hashes, blocks, session_id, shard_key=shard_key)
 
     async def prefetch(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None

@@ -145,3 +145,16 @@ def test_slow_tier_recomputes_fast_tier_fetches():
     assert not should_fetch(hit, bandwidth_bytes_per_s=1e6, prefill_tokens_per_s=1000.0, block_size=16)
     # 10 GB/s → 0.4 ms to fetch.
     assert should_fetch(hit, bandwidth_bytes_per_s=1e10, prefill_tokens_per_s=1000.0, block_size=16)
+
+
+def test_pack_unpack_blocks_roundtrip_without_copy_and_length_check():
+    from deployments.dataplane.blocks import pack_blocks, unpack_blocks
+
+    blocks = [b"abc", b"", b"defgh" * 100]
+    data, lengths = pack_blocks(blocks)
+    views = unpack_blocks(data, lengths)
+    assert [bytes(v) for v in views] == blocks and lengths == [3, 0, 500]
+    data[0] = ord("X")  # views share the packed buffer
+    assert bytes(views[0]) == b"Xbc"
+    with pytest.raises(CorruptBlockError):
+        unpack_blocks(data, [3, 0, 499])

@@ -59,9 +59,9 @@ class KVConnector(abc.ABC):
         """How many leading blocks of ``hashes`` are stored, and where."""
 
     @abc.abstractmethod
-    async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes]]:
-        """The encoded blocks for ``hashes`` (all of them, in order), or None if any is
-        missing or fails its checksum."""
+    async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes | memoryview]]:
+        """The encoded blocks for ``hashes`` (all of them, in order; bytes or read-only
+        views), or None if any is missing or fails its checksum."""
 
     @abc.abstractmethod
     def save(self, tenant: str, hashes: list[str], blocks: list[bytes]) -> None:

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
                 )
                 wait_ready(base_url)
                 for mode in modes:
-                    seed = 1000 * rnd + len(runs[mode])
+                    # Distinct text per mode and round: one mode must not hit another's blocks.
+                    seed = 1000 * rnd + 100 * list(runs).index(mode) + len(runs[mode])
                     before = worker_kv_stats("bench")
                     runs[mode].append(conversation(base_url, mode, args, seed, "bench"))
                     after = worker_kv_stats("bench")

@@ -237,6 +237,22 @@ async def test_slow_tier_is_recomputed_not_fetched(engine, store):
 
 
 @pytest.mark.asyncio
+async def test_recomputing_a_slow_tier_still_re_measures_it_now_and_then(engine, store):
+    from deployments.compute.engines.torch_engine import _EXPLORE_EVERY_SKIPS
+
+    ids = encode(engine, PROMPTS[1])
+    await run_and_export(engine, make_request("prime-explore", ids))
+    store.bandwidth = 1.0
+    before = engine.kv_stats()
+    for i in range(_EXPLORE_EVERY_SKIPS + 1):
+        await collect(engine, make_request(f"explore{i}", ids))
+    after = engine.kv_stats()
+    # Skipped in a row up to the limit, then one fetch to measure the tier again.
+    assert after.fetch_skipped - before.fetch_skipped == _EXPLORE_EVERY_SKIPS
+    assert after.prefix_hit_tokens > before.prefix_hit_tokens
+
+
+@pytest.mark.asyncio
 async def test_concurrent_hits_and_misses_match_no_connector(engine, plain, store):
     prompt_ids = [encode(engine, p) for p in PROMPTS]
     max_tokens = [14, 9, 20, 6, 11, 16]

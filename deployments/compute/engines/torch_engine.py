@@ -64,6 +64,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DECODE_INLINE_MAX_BYTES = 256 * 1024
 
 
+# After this many recomputed hits in a row on one tier, fetch once to re-measure it.
+_EXPLORE_EVERY_SKIPS = 4
+
+
 @dataclass(slots=True)
 class KVStats:
     """KV-reuse counters of one engine (cumulative since construction)."""
@@ -200,6 +204,8 @@ class TorchEngine(Engine):
         self.block_size = block_size
         self._kv_block_shape = block_shape(self.config, block_size)
         self._kv_stats = KVStats()
+        # Per tier: stored prefixes recomputed since the last fetch (see _fetch_prefix).
+        self._skips_since_fetch: dict[str, int] = {}
         # Prefill speed = EWMA(tokens) / EWMA(seconds): a ratio of averages, so long
         # prefills (what recomputing a cached prefix costs) weigh more than short ones.
         self._prefill_tokens_avg = Ewma()
@@ -370,9 +376,14 @@ class TorchEngine(Engine):
                 prefill_tokens_per_s=self.prefill_tokens_per_s(),
                 block_size=self.block_size,
             )
-            if not fetch:
+            skips = self._skips_since_fetch.get(hit.tier, 0)
+            if not fetch and skips < _EXPLORE_EVERY_SKIPS:
+                # Recompute, but not forever: a bandwidth figure that only a fetch can
+                # update would otherwise stay stale (one slow fetch would end reuse).
+                self._skips_since_fetch[hit.tier] = skips + 1
                 stats.fetch_skipped += 1
                 return None
+            self._skips_since_fetch[hit.tier] = 0
             started = time.perf_counter()
             blocks = await kv.load(tenant, hashes[:num_blocks])
             elapsed = time.perf_counter() - started

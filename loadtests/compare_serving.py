@@ -49,6 +49,9 @@ def app_args(model_path: Path, num_threads: int, overrides: dict) -> dict:
         "compute": {"num_replicas": 1, "num_cpus": 1},
         "router": {"batch_wait_timeout_ms": 5, "max_queue_depth": 1024, **overrides.get("router", {})},
         "limits": {"default_max_tokens": 64},
+        # Serving path only: the direct engine saves no KV either (the data plane's cost
+        # and gain are measured by loadtests.multiturn).
+        "dataplane": {"enabled": False},
     }
 
 

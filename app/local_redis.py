@@ -53,7 +53,8 @@ class LocalRedis:
     ):
         self.port = port or _free_port()
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="llm-redis-"))
+        # Absolute: redis-server runs in this directory and resolves its log path there.
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="llm-redis-")).resolve()
         self._save = save
         self._binary = binary or shutil.which("redis-server")
         self._extra_args = tuple(extra_args)

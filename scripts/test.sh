@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --with-vllm
-echo "[test] running the test suite (integration tests start Ray and Serve: about a minute)"
+echo "[test] running the test suite (integration tests start Ray, Serve, Redis and both engines: several minutes)"
 exec .venv/bin/python -m pytest -ra "$@" tests

@@ -117,6 +117,7 @@ class DataPlane:
         # entries of evicted keys are dropped on eviction).
         self._prefetched: set[str] = set()
         self._tasks: list[asyncio.Task] = []
+        self._peers = None
         self._started = False
 
     @staticmethod
@@ -141,6 +142,12 @@ class DataPlane:
             loop.create_task(self._write_behind_loop()),
             loop.create_task(self._reconnect_loop()),
         ]
+        # The handle to the other replicas (for deleting a session's blocks on their
+        # shard) is made now and used once, so its request router already knows every
+        # replica when a delete needs the hash ring; a fresh one may not yet.
+        self._peers = self._self_handle()
+        if self._peers is not None:
+            self._tasks.append(loop.create_task(self._warm_peers()))
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -701,7 +708,7 @@ class DataPlane:
             return
         # Drop here first (cheap), then on the replica that owns each chain.
         await self.drop_l2_blocks(tenant, [h for hs in by_shard.values() for h in hs])
-        handle = self._self_handle()
+        handle = self._peers
         if handle is None:
             return
         calls = [
@@ -712,6 +719,12 @@ class DataPlane:
                 await call
             except Exception as e:  # the owner may be gone; its L2 went with it
                 logger.warning("DataPlane: could not drop session blocks on their shard: %s", e)
+
+    async def _warm_peers(self) -> None:
+        try:
+            await self._peers.status.remote()
+        except Exception as e:  # noqa: BLE001 - only a warm-up
+            logger.debug("DataPlane: peer handle warm-up failed: %s", e)
 
     def _self_handle(self):
         try:

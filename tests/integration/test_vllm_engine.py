@@ -26,17 +26,15 @@ except Exception as e:  # noqa: BLE001 - an ImportError or a broken install
     )
 
 import pytest_asyncio
-import torch
 
 from app.config import AppConfig
 from deployments.compute.engines.protocol import (
     EngineDeadError,
     EngineError,
-    GenerationRequest,
     RequestRejected,
-    SamplingParams,
 )
 from deployments.compute.engines.vllm_engine import VLLMEngine
+from tests.fixtures.engines import collect, encode, hf_greedy, make_request, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
@@ -79,42 +77,6 @@ async def engine(tiny_model_path):
     await eng.start()
     yield eng
     await asyncio.wait_for(eng.shutdown(), 60)
-
-
-def make_request(request_id, prompt_ids, **sampling) -> GenerationRequest:
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", 16)
-    return GenerationRequest(request_id, list(prompt_ids), SamplingParams(**sampling))
-
-
-async def collect(engine, request):
-    deltas = [d async for d in engine.generate(request)]
-    return deltas, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
-
-
-def hf_greedy(hf_model, prompt_ids, max_new_tokens):
-    input_ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = hf_model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
-def encode(engine, text):
-    return engine.tokenizer(text)["input_ids"]
-
-
-async def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def assert_well_formed(deltas, num_prompt):

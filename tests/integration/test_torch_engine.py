@@ -12,24 +12,7 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.torch_engine import TorchEngine
-from tests.fixtures.engines import collect, encode, hf_greedy, make_request, wait_until
-
-PROMPTS = [
-    "the",
-    "hello world and the cache went to the river",
-    "Server memory cluster worker router latency is important to the people of the city",
-    "café 🙂 naïve",
-    "one two three four five six seven",
-    "A much longer prompt: " + "the model reads many words before it answers " * 6,
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
+from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, wait_until
 
 @pytest_asyncio.fixture
 async def engine(tiny_model_path):

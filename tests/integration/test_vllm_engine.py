@@ -34,29 +34,12 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.vllm_engine import VLLMEngine
-from tests.fixtures.engines import collect, encode, hf_greedy, make_request, wait_until
+from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
 MAX_NUM_SEQS = 4
 MAX_MODEL_LEN = 1024
-
-PROMPTS = [
-    "the",
-    "hello world and the cache went to the river",
-    "Server memory cluster worker router latency is important to the people of the city",
-    "café 🙂 naïve",
-    "one two three four five six seven",
-    "A much longer prompt: " + "the model reads many words before it answers " * 6,
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_path):

@@ -20,6 +20,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Ray's built-in resources have their own fields (num_cpus, num_gpus); a custom resource
+# (a node role such as `compute_node`) is any other name.
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+def _check_role_resources(field: str, resources: dict[str, float]) -> dict[str, float]:
+    for name, amount in resources.items():
+        if not name or name in _BUILTIN_RESOURCES or name.startswith("node:"):
+            raise ValueError(
+                f"{field}: {name!r} is not a custom resource name (CPU/GPU have their own "
+                "fields; node:* and memory are Ray's)"
+            )
+        if not 0 < amount <= 1024:
+            raise ValueError(f"{field}.{name} must be in (0, 1024], got {amount}")
+    return resources
+
+
+ROLE_RESOURCES_DESCRIPTION = (
+    "Ray custom resources each replica requests, e.g. {compute_node: 0.01}: a node role "
+    "(`ray start --resources`), so replicas land only on nodes of that role. Empty (the "
+    "default): any node, as on a laptop."
+)
+
+
 class ModelConfig(_Strict):
     id: str = Field(
         default="tiny-llama",
@@ -134,6 +158,12 @@ class ComputeConfig(_Strict):
     )
     health_check_period_s: float = Field(default=10.0, gt=0, le=600)
     health_check_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _resources(self) -> ComputeConfig:
+        _check_role_resources("compute.resources", self.resources)
+        return self
 
 
 class RouterConfig(_Strict):
@@ -240,6 +270,7 @@ class DataPlaneConfig(_Strict):
     )
     num_replicas: int = Field(default=2, ge=1, le=1024, description="Data-plane actors (M).")
     num_cpus: float = Field(default=0.25, ge=0, le=64)
+    resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
     block_size: int = Field(
         default=16, ge=1, le=4096, description="Tokens per KV block (the reuse granularity)."
     )
@@ -255,6 +286,11 @@ class DataPlaneConfig(_Strict):
     kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
     redis: RedisConfig = Field(default_factory=RedisConfig)
     sessions: SessionConfig = Field(default_factory=SessionConfig)
+
+    @model_validator(mode="after")
+    def _resources(self) -> DataPlaneConfig:
+        _check_role_resources("dataplane.resources", self.resources)
+        return self
 
     @model_validator(mode="after")
     def _watermarks(self) -> "DataPlaneConfig":

@@ -216,12 +216,17 @@ def placement_options(config: AppConfig) -> dict:
     compute = config.compute
     opts = config.engine.vllm
     num_shards = opts.tensor_parallel_size * opts.pipeline_parallel_size
+    # The node role (`compute.resources`, e.g. {compute_node: 0.01}) goes on the replica
+    # and on every bundle, so neither the replica nor a shard lands on another role's node.
+    role = dict(compute.resources)
     if config.engine.name != "vllm" or num_shards == 1:
-        return {"ray_actor_options": {"num_cpus": compute.num_cpus, "num_gpus": compute.num_gpus}}
+        actor = {"num_cpus": compute.num_cpus, "num_gpus": compute.num_gpus}
+        return {"ray_actor_options": actor | ({"resources": role} if role else {})}
     return {
-        "ray_actor_options": {"num_cpus": compute.num_cpus, "num_gpus": 0},
-        "placement_group_bundles": [{"CPU": compute.num_cpus}]
-        + [{"GPU": 1, "CPU": 1} for _ in range(num_shards)],
+        "ray_actor_options": {"num_cpus": compute.num_cpus, "num_gpus": 0}
+        | ({"resources": role} if role else {}),
+        "placement_group_bundles": [{"CPU": compute.num_cpus, **role}]
+        + [{"GPU": 1, "CPU": 1, **role} for _ in range(num_shards)],
         "placement_group_strategy": "STRICT_PACK" if opts.pipeline_parallel_size == 1 else "PACK",
     }
 

@@ -791,7 +791,8 @@ def dataplane_deployment(config: AppConfig):
         num_replicas=dp.num_replicas,
         # Calls are short and mostly wait on Redis; Serve's default of 5 would queue them.
         max_ongoing_requests=1000,
-        ray_actor_options={"num_cpus": dp.num_cpus},
+        # dp.resources: the node role (e.g. {data_node: 0.01}) that places it on memory nodes.
+        ray_actor_options={"num_cpus": dp.num_cpus} | ({"resources": dict(dp.resources)} if dp.resources else {}),
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.dataplane.routing:KeyAffinityRequestRouter",
         ),

@@ -1,0 +1,40 @@
+# Shared by start_head.sh and start_worker.sh (sourced, not run).
+#
+# Token authentication (Ray >= 2.52): every `ray start`, driver and CLI of the cluster runs
+# with RAY_AUTH_MODE=token and the same token, taken (first found) from RAY_AUTH_TOKEN,
+# from the file RAY_AUTH_TOKEN_PATH names, or from ~/.ray/auth_token.
+
+export RAY_AUTH_MODE=token
+
+RAY_BIN="${RAY_BIN:-ray}"
+if ! command -v "$RAY_BIN" >/dev/null 2>&1; then
+  here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  if [[ -x "$here/.venv/bin/ray" ]]; then
+    RAY_BIN="$here/.venv/bin/ray"
+  else
+    echo "[cluster] no 'ray' command found (activate the project's venv or set RAY_BIN)" >&2
+    exit 2
+  fi
+fi
+
+have_token() {
+  [[ -n "${RAY_AUTH_TOKEN:-}" ]] && return 0
+  if [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+    [[ -s "$RAY_AUTH_TOKEN_PATH" ]] && return 0
+    echo "[cluster] RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH is missing or empty" >&2
+    exit 2
+  fi
+  [[ -s "$HOME/.ray/auth_token" ]]
+}
+
+# Role resources: a node of role R advertises {"R_node": 1}; ComputeWorker and DataPlane
+# replicas request a small fraction of theirs (compute.resources / dataplane.resources in
+# the serve config), so they are placed only on nodes of that role.
+role_resources() {
+  case "$1" in
+    head) echo '{"head_node": 1}' ;;
+    compute) echo '{"compute_node": 1}' ;;
+    data) echo '{"data_node": 1}' ;;
+    *) echo "[cluster] unknown role '$1' (compute | data)" >&2; exit 2 ;;
+  esac
+}

@@ -15,6 +15,30 @@ from app.config import AppConfig
 
 logger = logging.getLogger("ray.serve")
 
+# Ray Serve's own throughput settings (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on inside
+# a replica): user code and the handle's request router on the replica's main event loop
+# instead of hand-offs to a thread and a second loop for every message, and request-path
+# logs written in batches. Read by each replica process at import time, so they travel in
+# the replica's runtime_env. Streams between replicas also go by value over Serve's gRPC
+# transport: that is set on the handles themselves (``_by_reference=False``).
+THROUGHPUT_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+
+
+def with_serve_runtime(deployment, config: AppConfig):
+    """``deployment`` with THROUGHPUT_ENV added to its replicas' runtime_env (variables
+    it already sets win), when ``serve_runtime.throughput_optimized``."""
+    if not config.serve_runtime.throughput_optimized:
+        return deployment
+    actor = dict(deployment.ray_actor_options or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**THROUGHPUT_ENV, **(runtime_env.get("env_vars") or {})}
+    actor["runtime_env"] = runtime_env
+    return deployment.options(ray_actor_options=actor)
+
 
 def build_app(args: dict | None = None) -> Application:
     config = AppConfig.model_validate(args or {})
@@ -31,13 +55,13 @@ def build_app(args: dict | None = None) -> Application:
 
     from app.ingress import ingress_deployment
     from deployments.compute.deployment import worker_deployment
-    from deployments.router.deployment import router_deployment
 
     dataplane = None
     if resolved.dataplane.enabled:
         from deployments.dataplane.deployment import dataplane_deployment
 
-        dataplane = dataplane_deployment(resolved).bind(payload)
-    worker = worker_deployment(resolved).bind(payload, dataplane)
-    router = router_deployment(resolved).bind(worker, payload, dataplane)
-    return ingress_deployment(resolved).bind(router, payload, dataplane)
+        dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(payload)
+    worker = with_serve_runtime(worker_deployment(resolved), resolved).bind(payload, dataplane)
+    # The Router is not a deployment: each Ingress replica runs one in-process (see
+    # docs/ARCHITECTURE.md), so tokens cross one Serve hop, worker → ingress.
+    return with_serve_runtime(ingress_deployment(resolved), resolved).bind(worker, payload, dataplane)

@@ -138,8 +138,18 @@ class EngineConfig(_Strict):
         ge=0,
         le=1000,
         description="A worker sends a request's tokens on at most every this many ms (the "
-        "first token at once): each message crosses worker → router → ingress, so fewer, "
+        "first token at once): each message crosses worker → ingress → HTTP proxy, so fewer, "
         "fuller messages cost less CPU per token. 0 sends every engine delta.",
+    )
+    stream_max_messages_per_s: float = Field(
+        default=500.0,
+        ge=0,
+        le=1_000_000,
+        description="Cap on the messages per second one worker sends over all its streams: "
+        "with n requests streaming, each waits at least n / this between messages (so 32 "
+        "streams at 500/s send every 64 ms). Under load the CPU a streamed token costs in "
+        "Serve's hops stays bounded and goes to the engine instead; at low load "
+        "stream_interval_ms rules. 0: no cap.",
     )
     vllm: VLLMOptions = Field(
         default_factory=VLLMOptions, description="Options of the vllm engine (ignored by torch)."
@@ -167,7 +177,9 @@ class ComputeConfig(_Strict):
 
 
 class RouterConfig(_Strict):
-    num_replicas: int = Field(default=1, ge=1, le=64, description="Router replicas.")
+    """The router runs inside every Ingress replica (one per replica, no deployment of
+    its own); ``ingress.num_replicas`` therefore also sets the number of routers."""
+
     max_batch_size: int = Field(
         default=8,
         ge=1,
@@ -185,7 +197,7 @@ class RouterConfig(_Strict):
         default=512,
         ge=1,
         le=1_000_000,
-        description="Requests admitted by one router replica and not yet finished; "
+        description="Requests admitted by one router (one per ingress replica) and not yet finished; "
         "beyond it new requests get 429 with Retry-After.",
     )
     retry_after_s: int = Field(
@@ -215,7 +227,7 @@ class LimitsConfig(_Strict):
 class IngressConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, le=64, description="Ingress replicas.")
     # With the defaults every deployment fits Ray's 2 logical CPUs of a 2-core laptop
-    # (`serve run` without a cluster): ingress 0.25 + router 0.25 + worker 1 + 2 × 0.25.
+    # (`serve run` without a cluster): ingress 0.25 (with its router) + worker 1 + 2 × 0.25.
     num_cpus: float = Field(default=0.25, ge=0, le=64)
 
 
@@ -302,6 +314,16 @@ class DataPlaneConfig(_Strict):
         return self
 
 
+class ServeRuntimeConfig(_Strict):
+    throughput_optimized: bool = Field(
+        default=True,
+        description="Run every replica of the app with Ray Serve's throughput settings "
+        "(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, "
+        "buffered request-path logs): fewer thread and loop hand-offs per streamed message. "
+        "Variables set in the application's own runtime_env win.",
+    )
+
+
 class AppConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -311,6 +333,7 @@ class AppConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    serve_runtime: ServeRuntimeConfig = Field(default_factory=ServeRuntimeConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "AppConfig":

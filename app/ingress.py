@@ -39,6 +39,7 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.sessions import PendingTurn, SessionClient, fit_history, session_json
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
+from deployments.router.deployment import Router
 
 logger = logging.getLogger("ray.serve")
 
@@ -126,9 +127,33 @@ class _Call:
         }
 
 
+class _LocalStream:
+    """The router's stream of deltas (an async generator in this process) with the
+    ``cancel()`` the response paths call when the client leaves or a call fails:
+    closing the generator runs the router's cleanup, which cancels the worker call,
+    which aborts the sequence in the engine."""
+
+    __slots__ = ("_gen", "_closing")
+
+    def __init__(self, gen: AsyncIterator[TokenDelta]):
+        self._gen = gen
+        self._closing: Optional[asyncio.Task] = None
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._gen.__anext__()
+
+    def cancel(self) -> None:
+        if self._closing is None:
+            # Kept on the object so the task is not collected before it ran.
+            self._closing = asyncio.ensure_future(self._gen.aclose())
+
+
 class Ingress:
     def __init__(
-        self, router: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
+        self, worker: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
     ):
         from transformers import AutoTokenizer  # heavy; only the ingress needs it
 
@@ -139,8 +164,9 @@ class Ingress:
         )
         telemetry.setup(self._config.telemetry, "ingress")
         self._tracer = telemetry.tracer(__name__)
-        self._router = router
-        self._router_stream = router.options(stream=True)
+        # The router runs in this process (not as a deployment of its own), so a token
+        # crosses one Serve hop (worker → ingress) instead of two.
+        self._router = Router(worker, config, dataplane)
         model_path = self._config.model.resolved_path()
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._max_model_len = self._config.model.checkpoint_max_len()
@@ -281,7 +307,9 @@ class Ingress:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise asyncio.TimeoutError()
-        return await asyncio.wait_for(stream.__anext__(), remaining)
+        # asyncio.timeout, not wait_for: no extra task per delta on this hot path.
+        async with asyncio.timeout(remaining):
+            return await stream.__anext__()
 
     def _record(self, call: _Call, status: int) -> None:
         tags = {"endpoint": call.endpoint}
@@ -334,7 +362,7 @@ class Ingress:
                 span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
                 span.set_attribute("llm.stream", req.stream)
                 deadline = call.started + self._config.limits.request_timeout_s
-                stream = self._router_stream.generate.remote(gen_request)
+                stream = _LocalStream(self._router.generate(gen_request))
                 try:
                     # Wait for the first delta before answering so that a rejection
                     # (429, 400 from the engine, 503) keeps its status code.
@@ -545,7 +573,7 @@ class IngressDeployment(Ingress):
     @fastapi_app.get("/ready")
     async def ready(self) -> Response:
         try:
-            await asyncio.wait_for(self._router.ready.remote(), timeout=5.0)
+            await asyncio.wait_for(self._router.ready(), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - not ready, whatever the reason
             logger.info("not ready: %s", type(e).__name__)
             return JSONResponse({"status": "not_ready"}, status_code=503)

@@ -48,6 +48,8 @@ class ComputeWorker:
         self._config = AppConfig.model_validate(config)
         telemetry.setup(self._config.telemetry, "compute-worker")
         self._tracer = telemetry.tracer(__name__)
+        # Requests inside generate() (the replica's queue depth).
+        self._num_in_flight = 0
         started = time.monotonic()
         kv_connector = None
         if dataplane is not None and self._config.dataplane.kv_reuse:
@@ -114,7 +116,10 @@ class ComputeWorker:
             span.set_attribute("llm.request_id", request.request_id)
             span.set_attribute("llm.prompt_tokens", len(request.prompt_token_ids))
             num_tokens = 0
-            interval_s = self._config.engine.stream_interval_ms / 1000.0
+            ec = self._config.engine
+            base_interval_s = ec.stream_interval_ms / 1000.0
+            rate = ec.stream_max_messages_per_s
+            self._num_in_flight += 1
             try:
                 # aclosing: a cancellation that lands outside the engine's iterator (in
                 # the sleep below) must still close it, which aborts the request.
@@ -122,9 +127,13 @@ class ComputeWorker:
                     async for delta in deltas:
                         num_tokens += len(delta.token_ids)
                         yield delta
-                        if interval_s and delta.finish_reason is None:
-                            # Tokens keep coming while we wait; the engine hands them
-                            # over coalesced into the next delta.
+                        if delta.finish_reason is not None:
+                            continue
+                        # Tokens keep coming while we wait; the engine hands them over
+                        # coalesced into the next delta. The wait grows with the number
+                        # of streams so the worker's total message rate stays capped.
+                        interval_s = max(base_interval_s, self._num_in_flight / rate if rate else 0.0)
+                        if interval_s:
                             await asyncio.sleep(interval_s)
             except EngineError as e:
                 # A request failed by an engine that died with it (the torch loop fails
@@ -133,6 +142,8 @@ class ComputeWorker:
                 if not isinstance(e, EngineDeadError) and await self._engine_dead():
                     raise EngineDeadError(f"the engine died: {e}") from e
                 raise
+            finally:
+                self._num_in_flight -= 1
             span.set_attribute("llm.output_tokens", num_tokens)
             self._m_tokens.inc(num_tokens)
 

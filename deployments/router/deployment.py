@@ -1,6 +1,10 @@
 """Router: admission control and dynamic batching between the ingress and the workers.
 
-Request path inside one router replica::
+Not a Serve deployment: every Ingress replica holds one ``Router`` in its own process (as
+Ray Serve LLM's ingress holds its handles), so a token crosses one Serve hop (worker →
+ingress) instead of two, and Ray Serve's request router (placement.py) runs there too.
+
+Request path inside one router::
 
     generate() ─ admission (bounded; full → 429) ─ batcher (size / wait / idle fast path)
              ─ dispatch: each member of a batch calls the worker with the batch's key, so
@@ -22,7 +26,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 
@@ -93,7 +96,7 @@ class Router:
         self._dataplane = dataplane
         telemetry.setup(self._config.telemetry, "router")
         self._tracer = telemetry.tracer(__name__)
-        self._worker = worker.options(stream=True)
+        self._worker = worker.options(stream=True, _by_reference=False)
         self._capabilities_worker = worker
         rc = self._config.router
         self._admission = Admission(rc.max_queue_depth)
@@ -298,14 +301,3 @@ class Router:
     def queue_depth(self) -> int:
         return self._admission.depth
 
-
-def router_deployment(config: AppConfig):
-    rc = config.router
-    return serve.deployment(Router).options(
-        name="Router",
-        num_replicas=rc.num_replicas,
-        # The router admits up to max_queue_depth itself and answers 429 past it; Serve's
-        # own limit sits just above so that our clear error wins over Serve's backpressure.
-        max_ongoing_requests=rc.max_queue_depth + 1,
-        ray_actor_options={"num_cpus": 0.25},
-    )

@@ -156,6 +156,56 @@ class EngineConfig(_Strict):
     )
 
 
+class ComputeAutoscalingConfig(_Strict):
+    """Queue-depth autoscaling of the ComputeWorkers (deployments/compute/autoscaling.py)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Scale ComputeWorker replicas on queue depth; off: `num_replicas` fixed.",
+    )
+    min_replicas: int = Field(default=1, ge=1, le=1024, description="Fewest replicas.")
+    max_replicas: int = Field(default=4, ge=1, le=1024, description="Most replicas.")
+    target_queue_depth_per_replica: float = Field(
+        default=16.0,
+        gt=0,
+        le=100_000,
+        description="Requests (running + waiting) one replica should hold on average; "
+        "replicas = ceil(total queue depth / this), within [min_replicas, max_replicas].",
+    )
+    upscale_delay_s: float = Field(
+        default=10.0, ge=0, le=3600, description="How long the queue must ask for more replicas."
+    )
+    downscale_delay_s: float = Field(
+        default=60.0, ge=0, le=86_400, description="How long the queue must ask for fewer replicas."
+    )
+    metrics_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="How often each replica sends its queue depth to Serve's controller.",
+    )
+    look_back_period_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Window over which a replica's queue depth is averaged.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ComputeAutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"compute.autoscaling.min_replicas ({self.min_replicas}) must not exceed "
+                f"max_replicas ({self.max_replicas})"
+            )
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"compute.autoscaling.look_back_period_s ({self.look_back_period_s}) must be "
+                f"above metrics_interval_s ({self.metrics_interval_s})"
+            )
+        return self
+
+
 class ComputeConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, le=1024, description="ComputeWorker replicas.")
     num_cpus: float = Field(default=1.0, ge=0, le=1024, description="CPUs per replica.")
@@ -169,6 +219,23 @@ class ComputeConfig(_Strict):
     health_check_period_s: float = Field(default=10.0, gt=0, le=600)
     health_check_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
+
+    autoscaling: ComputeAutoscalingConfig = Field(default_factory=ComputeAutoscalingConfig)
+    # A replica that Serve stops (scale-down, redeploy) first finishes its requests, then
+    # flushes its KV exports to the data plane (ComputeWorker.__del__).
+    graceful_shutdown_wait_loop_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="How often a stopping replica checks whether its requests finished.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Longest a stopping replica may take to drain its requests and flush "
+        "its KV exports before Serve kills it.",
+    )
 
     @model_validator(mode="after")
     def _resources(self) -> ComputeConfig:

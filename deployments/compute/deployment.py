@@ -56,6 +56,7 @@ class ComputeWorker:
             from deployments.dataplane.connector import DataPlaneKVConnector
 
             kv_connector = DataPlaneKVConnector(dataplane, self._config.dataplane.block_size)
+        self._kv_connector = kv_connector
         self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
         await self._engine.start()
         if self._config.engine.warmup:
@@ -93,8 +94,37 @@ class ComputeWorker:
             )
         }
         self._kv_reported: dict[str, int] = {}
+        self._m_queue_depth = metrics.Gauge(
+            "llm_worker_queue_depth",
+            "Requests in this replica not yet finished (what the autoscaler scales on).",
+            tag_keys=tags,
+        )
+        self._m_drains = metrics.Counter(
+            "llm_worker_drains", "Replicas that drained and flushed their KV before exiting.", tag_keys=tags
+        )
+        self._m_drain_flushed = metrics.Counter(
+            "llm_worker_drain_flushed_exports",
+            "KV exports still pending when a replica was stopped, flushed before it exited.",
+            tag_keys=tags,
+        )
+        self._m_drain_seconds = metrics.Histogram(
+            "llm_worker_drain_flush_seconds",
+            "Time a stopping replica spent flushing its KV exports to the data plane.",
+            boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 30],
+            tag_keys=tags,
+        )
         self._tags = {"engine": self._config.engine.name}
-        for m in (self._m_running, self._m_waiting, self._m_kv, self._m_tokens, *self._m_kv_counters.values()):
+        for m in (
+            self._m_running,
+            self._m_waiting,
+            self._m_kv,
+            self._m_tokens,
+            *self._m_kv_counters.values(),
+            self._m_queue_depth,
+            self._m_drains,
+            self._m_drain_flushed,
+            self._m_drain_seconds,
+        ):
             m.set_default_tags(self._tags)
 
     async def _warm_up(self) -> None:
@@ -215,8 +245,62 @@ class ComputeWorker:
                 self._kv_reported[name] = value
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting}
 
+    def record_autoscaling_stats(self) -> dict:
+        """Polled by Serve (every ``compute.autoscaling`` record interval) when autoscaling
+        is on; ``queue_depth`` is what ``deployments/compute/autoscaling.py`` scales on:
+        the requests this replica holds, running or waiting (in the engine or before it)."""
+        stats = self._engine.stats()
+        engine_depth = stats.num_running + stats.num_waiting
+        depth = max(self._num_in_flight, engine_depth)
+        self._m_queue_depth.set(depth)
+        return {
+            "queue_depth": float(depth),
+            "num_running": float(stats.num_running),
+            "num_waiting": float(stats.num_waiting),
+        }
+
     async def __del__(self):
-        await self._engine.shutdown()
+        """Serve calls this when it stops the replica, after its in-flight requests finished
+        (graceful drain, ``compute.graceful_shutdown_*``). The engine stops, then every KV
+        export still under way (the torch engine exports a finished request's blocks in the
+        background) is flushed to the data plane, so the sessions this replica served keep
+        their prefix on another replica. vLLM's connector saves synchronously per step:
+        nothing is pending there."""
+        started = time.monotonic()
+        pending = self._pending_kv_exports()
+        await self._engine.shutdown()  # waits for the engine's own export tasks
+        if self._kv_connector is not None:
+            drain_timeout = max(1.0, self._config.compute.graceful_shutdown_timeout_s - 1.0)
+            try:
+                await asyncio.wait_for(self._kv_connector.drain(), drain_timeout)
+            except asyncio.TimeoutError:
+                logger.warning("ComputeWorker drain: KV saves still pending after %.0fs", drain_timeout)
+        elapsed = time.monotonic() - started
+        kv = self.kv_stats()
+        if hasattr(self, "_m_drains"):
+            self._m_drains.inc()
+            if pending:
+                self._m_drain_flushed.inc(pending)
+            self._m_drain_seconds.observe(elapsed)
+        logger.info(
+            "ComputeWorker drained: in-flight requests finished, %d pending KV exports flushed "
+            "to the data plane in %.2fs (blocks exported in total: %s); exiting",
+            pending,
+            elapsed,
+            kv.get("blocks_exported", "n/a"),
+        )
+        # Serve may buffer log records (RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE); the process
+        # ends soon after this returns, so write the drain's lines out now.
+        for handler in logger.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+
+    def _pending_kv_exports(self) -> int:
+        """KV exports not yet acknowledged by the data plane: the engine's export tasks plus
+        the connector's save calls in flight."""
+        pending_exports = getattr(self._engine, "num_pending_kv_exports", None)
+        exports = pending_exports() if pending_exports is not None else 0
+        return exports + int(getattr(self._kv_connector, "num_pending", 0) or 0)
 
 
 def placement_options(config: AppConfig) -> dict:
@@ -249,7 +333,8 @@ def worker_deployment(config: AppConfig):
     compute = config.compute
     return serve.deployment(ComputeWorker).options(
         name="ComputeWorker",
-        num_replicas=compute.num_replicas,
+        **replica_count_options(config),
+        **drain_options(config),
         max_ongoing_requests=compute.max_ongoing_requests,
         health_check_period_s=compute.health_check_period_s,
         health_check_timeout_s=compute.health_check_timeout_s,
@@ -260,3 +345,43 @@ def worker_deployment(config: AppConfig):
             request_routing_stats_timeout_s=2.0,
         ),
     )
+
+def replica_count_options(config: AppConfig) -> dict:
+    """``num_replicas`` as configured, or, with ``compute.autoscaling.enabled``, Serve's
+    autoscaling with the queue-depth policy (``deployments/compute/autoscaling.py``)."""
+    auto = config.compute.autoscaling
+    if not auto.enabled:
+        return {"num_replicas": config.compute.num_replicas}
+    import warnings
+
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    from deployments.compute.autoscaling import POLICY_PATH
+
+    with warnings.catch_warnings():
+        # Serve marks metrics_interval_s deprecated (for env variables that set it for
+        # every deployment at once); it is still the field that sets this push period.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        autoscaling = AutoscalingConfig(
+            min_replicas=auto.min_replicas,
+            max_replicas=auto.max_replicas,
+            upscale_delay_s=auto.upscale_delay_s,
+            downscale_delay_s=auto.downscale_delay_s,
+            metrics_interval_s=auto.metrics_interval_s,
+            look_back_period_s=auto.look_back_period_s,
+            policy=AutoscalingPolicy(
+                policy_function=POLICY_PATH,
+                policy_kwargs={"target_queue_depth_per_replica": auto.target_queue_depth_per_replica},
+            ),
+        )
+    return {"autoscaling_config": autoscaling}
+
+
+def drain_options(config: AppConfig) -> dict:
+    """How Serve stops a replica (scale-down, redeploy): it stops routing to it, waits for
+    its in-flight requests (checking every ``wait_loop_s``), then calls ``__del__``, which
+    flushes the KV exports; all within ``timeout_s``, after which Serve kills it."""
+    return {
+        "graceful_shutdown_wait_loop_s": config.compute.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": config.compute.graceful_shutdown_timeout_s,
+    }

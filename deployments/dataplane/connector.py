@@ -113,6 +113,11 @@ class DataPlaneKVConnector(KVConnector):
         except Exception as e:
             logger.warning("KV save of %d blocks failed (dropped): %s", len(hashes), e)
 
+    @property
+    def num_pending(self) -> int:
+        """Saves handed to the data plane and not yet acknowledged by it."""
+        return len(self._pending)
+
     async def drain(self) -> None:
         """Wait for pending saves (tests, shutdown)."""
         if self._pending:

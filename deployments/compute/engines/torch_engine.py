@@ -287,6 +287,10 @@ class TorchEngine(Engine):
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
         )
 
+    def num_pending_kv_exports(self) -> int:
+        """Exports scheduled and not yet handed to ``connector.save``."""
+        return len(self._export_tasks)
+
     async def wait_for_kv_exports(self) -> None:
         """Wait until every export scheduled so far has been handed to ``connector.save``
         (exports run in the background after a request's last delta)."""

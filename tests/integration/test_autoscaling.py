@@ -1,0 +1,302 @@
+"""Queue-depth autoscaling in a live app (torch engine, tiny model, real data plane + Redis):
+step the load up → the ComputeWorkers go from 1 to 2 replicas; go idle → back to 1, and the
+replica that leaves first drains: its in-flight requests finish (none fails), its KV exports
+are flushed to the data plane, and a session whose turn ran there gets its prefix from the
+data plane on its next turn.
+
+Runs its own application ("autoscale" at "/autoscale") with short delays, so it ends in
+about a minute or two. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures.models import get_model_path
+from tests.fixtures.serve_app import app_args, wait_ready
+
+pytestmark = pytest.mark.integration
+
+APP_NAME = "autoscale"
+ROUTE_PREFIX = "/autoscale"
+MODEL_ID = "tiny-llama"
+BLOCK = 16
+TARGET_PER_REPLICA = 4
+NUM_LOAD_CLIENTS = 10  # queue depth ≈ 10 > 4: asks for ceil(10 / 4) = 3, capped at 2
+NUM_SESSIONS = 4  # in-flight turns during the scale-down: depth 4 ≤ 4 → 1 replica
+LOAD_MAX_TOKENS = 96
+# The reply re-tokenised grows ~1.5x in the history: the next turn must fit in 2048.
+LONG_MAX_TOKENS = 1000
+SCALE_UP_TIMEOUT_S = 120
+SCALE_DOWN_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 150
+
+
+def _autoscale_args(redis_url: str) -> dict:
+    return app_args(
+        get_model_path("tiny"),
+        redis_url,
+        engine={"name": "torch", "max_num_seqs": 16, "num_threads": 1},
+        compute={
+            "num_cpus": 0.5,
+            "graceful_shutdown_wait_loop_s": 0.2,
+            "graceful_shutdown_timeout_s": 90,
+            "autoscaling": {
+                "enabled": True,
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_queue_depth_per_replica": TARGET_PER_REPLICA,
+                "upscale_delay_s": 1,
+                # Short, so the long turns below are still running when a replica goes.
+                "downscale_delay_s": 0.5,
+                "metrics_interval_s": 0.25,
+                "look_back_period_s": 1.0,
+            },
+        },
+        limits={"request_timeout_s": REQUEST_TIMEOUT_S},
+        dataplane={"num_replicas": 1},
+    )
+
+
+@pytest.fixture
+def autoscale_app(ray_cluster, redis_server, http_port):
+    from ray import serve
+
+    from app.builder import build_app
+
+    args = _autoscale_args(redis_server.url)
+    base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
+    try:
+        serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
+        wait_ready(base_url, timeout_s=240)
+        yield base_url
+    finally:
+        serve.delete(APP_NAME)
+
+
+def _replica_states() -> dict[str, int]:
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or "ComputeWorker" not in app.deployments:
+        return {}
+    return {str(k): v for k, v in app.deployments["ComputeWorker"].replica_states.items()}
+
+
+class Timeline:
+    """ComputeWorker replica states, sampled every 0.2 s in the background."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - self._t0, _replica_states()))
+            self._stop.wait(0.2)
+
+    def running(self) -> int:
+        return self.samples[-1][1].get("RUNNING", 0) if self.samples else 0
+
+    def settled_at(self, n: int) -> bool:
+        return bool(self.samples) and self.samples[-1][1] == {"RUNNING": n}
+
+    def wait(self, pred, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pred():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not within {timeout_s}s; states: {self.samples[-5:]}")
+            time.sleep(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _completion(client: httpx.Client, base_url: str, prompt: list[int], max_tokens: int) -> dict:
+    r = client.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": MODEL_ID,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    return {"status": r.status_code, "body": r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text}
+
+
+def _turn(base_url: str, session_id: str, text: str, max_tokens: int) -> dict:
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        headers={"X-Session-Id": session_id},
+        json={
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    return {"status": r.status_code, "body": r.json(), "ended": time.monotonic()}
+
+
+def _fresh_text(num_words: int) -> str:
+    # Distinct per session, so no other request ever exported these blocks.
+    return " ".join(uuid.uuid4().hex[:8] for _ in range(num_words))
+
+
+def _worker_logs() -> list[Path]:
+    import ray
+
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return sorted(logs_dir.glob(f"replica_{APP_NAME}_ComputeWorker_*.log"))
+
+
+def test_step_load_scales_up_then_idle_drains_and_scales_down(autoscale_app):
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from deployments.compute.engines.kv import block_hashes
+
+    base_url = autoscale_app
+    worker = serve.get_deployment_handle("ComputeWorker", app_name=APP_NAME)
+    dataplane = serve.get_deployment_handle("DataPlane", app_name=APP_NAME)
+    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path("tiny")))
+    sessions = []
+    for _ in range(NUM_SESSIONS):
+        r = httpx.post(f"{base_url}/v1/sessions", timeout=30)
+        assert r.status_code == 201, r.text
+        sessions.append(r.json()["id"])
+
+    with Timeline() as timeline:
+        timeline.wait(lambda: timeline.settled_at(1), 60, "one replica at start")
+        started = time.monotonic()
+
+        # --- Step the load up: NUM_LOAD_CLIENTS clients, each one request after another.
+        stop_load = threading.Event()
+        load_results: list[dict] = []
+
+        def load_client(i: int) -> None:
+            with httpx.Client() as client:
+                n = 0
+                while not stop_load.is_set():
+                    prompt = [10 + (i * 7 + n + k) % 900 for k in range(48)]
+                    load_results.append(_completion(client, base_url, prompt, LOAD_MAX_TOKENS))
+                    n += 1
+
+        load_threads = [threading.Thread(target=load_client, args=(i,)) for i in range(NUM_LOAD_CLIENTS)]
+        for t in load_threads:
+            t.start()
+        try:
+            timeline.wait(lambda: timeline.running() >= 2, SCALE_UP_TIMEOUT_S, "scale-up to 2 replicas")
+            scaled_up_s = time.monotonic() - started
+            time.sleep(3)  # both replicas serve the load for a while
+        finally:
+            stop_load.set()
+            for t in load_threads:
+                t.join(timeout=REQUEST_TIMEOUT_S)
+
+        # --- Idle, but for one long turn per session, in flight while the count drops:
+        # the replica that goes has to finish its turns and flush their KV exports.
+        idle_from = time.monotonic()
+        long_texts = {sid: _fresh_text(60) for sid in sessions}
+        with ThreadPoolExecutor(NUM_SESSIONS) as pool:
+            futures = {}
+            for sid in sessions:
+                futures[sid] = pool.submit(_turn, base_url, sid, long_texts[sid], LONG_MAX_TOKENS)
+                time.sleep(0.3)  # one at a time, so placement sees each one's queue
+            timeline.wait(
+                lambda: timeline.running() == 1, SCALE_DOWN_TIMEOUT_S, "scale-down to 1 replica"
+            )
+            scaled_down_s = time.monotonic() - idle_from
+            long_results = {sid: f.result(timeout=REQUEST_TIMEOUT_S) for sid, f in futures.items()}
+        timeline.wait(lambda: timeline.settled_at(1), SCALE_DOWN_TIMEOUT_S, "the stopping replica to exit")
+        settled_s = time.monotonic() - idle_from
+
+    last_long_end = max(r["ended"] for r in long_results.values())
+    print(
+        f"\nautoscaling: 1->2 replicas {scaled_up_s:.1f}s after the load step; 2->1 "
+        f"{scaled_down_s:.1f}s after going idle, settled {settled_s:.1f}s; "
+        f"{len(load_results)} load requests; long turns ended "
+        f"{last_long_end - idle_from:.1f}s after going idle"
+    )
+
+    # Scaled up under load and back down when idle.
+    max_running = max(s.get("RUNNING", 0) for _, s in timeline.samples)
+    assert max_running == 2, timeline.samples[-20:]
+
+    # No request failed, at any point.
+    failed = [r for r in load_results if r["status"] != 200]
+    assert not failed, failed[:3]
+    assert load_results and all(
+        r["body"]["usage"]["completion_tokens"] == LOAD_MAX_TOKENS for r in load_results
+    )
+    for sid, r in long_results.items():
+        assert r["status"] == 200, r
+        assert r["body"]["usage"]["completion_tokens"] == LONG_MAX_TOKENS
+
+    # The replica that left drained: Serve waited for its in-flight requests, then our
+    # __del__ flushed its KV exports (both in that replica's log).
+    logs = _worker_logs()
+    drained = [p for p in logs if "ComputeWorker drained" in p.read_text(errors="replace")]
+    assert len(drained) == 1, [p.name for p in logs]
+    drained_log = drained[0].read_text(errors="replace")
+    waits = [int(n) for n in re.findall(r"to shut down: (\d+) ongoing requests", drained_log)]
+    assert waits and max(waits) >= 1, "the leaving replica had no request in flight to drain"
+
+    # Each session's long turn exported its prompt's blocks (text no other request had):
+    # they are in the data plane now, whichever replica ran the turn.
+    for sid in sessions:
+        ids = tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": long_texts[sid]}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        assert len(ids) == long_results[sid]["body"]["usage"]["prompt_tokens"]
+        hashes = block_hashes(MODEL_ID, "default", ids, BLOCK)
+        hit = dataplane.lookup_prefix.remote("default", hashes, shard_key=hashes[0]).result(timeout_s=30)
+        assert hit.num_blocks == len(hashes), (sid, hit, len(hashes))
+
+    # The next turn of every session runs on the one replica left. A session whose long
+    # turn ran on the replica that left (at least one did: it drained one) can only get its
+    # prefix from the data plane; one whose turn ran here may get it from this worker's own
+    # cache instead, when it keeps one.
+    from_dataplane = 0
+    for sid in sessions:
+        dp_before = dataplane.stats.remote(shard_key=sid).result(timeout_s=30)
+        kv_before = worker.kv_stats.remote().result(timeout_s=30)
+        r = _turn(base_url, sid, "and then?", 4)
+        assert r["status"] == 200, r
+        dp_after = dataplane.stats.remote(shard_key=sid).result(timeout_s=30)
+        kv_after = worker.kv_stats.remote().result(timeout_s=30)
+        blocks = long_results[sid]["body"]["usage"]["prompt_tokens"] // BLOCK
+        dp_hits = sum(
+            dp_after.get(f"lookup_hits_{t}", 0) - dp_before.get(f"lookup_hits_{t}", 0) for t in ("L2", "L3")
+        )
+        reused = kv_after["prefix_hit_tokens"] - kv_before["prefix_hit_tokens"]
+        skipped = kv_after["fetch_skipped"] - kv_before["fetch_skipped"]
+        assert kv_after["lookups"] - kv_before["lookups"] == 1, (kv_before, kv_after)
+        # Reused (fetched or local), or found in the data plane and, measured faster to
+        # recompute, recomputed.
+        assert reused >= blocks * BLOCK or (skipped == 1 and dp_hits >= blocks), (sid, dp_hits, kv_before, kv_after)
+        from_dataplane += dp_hits >= blocks
+    assert from_dataplane >= 1, "no session's next turn found its prefix in the data plane"

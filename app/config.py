@@ -151,6 +151,14 @@ class EngineConfig(_Strict):
         "Serve's hops stays bounded and goes to the engine instead; at low load "
         "stream_interval_ms rules. 0: no cap.",
     )
+    prefix_cache_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        le=1 << 40,
+        description="torch engine: L1 prefix cache, the KV blocks of recent prompts kept in "
+        "the worker's own memory in front of the data plane (what cache-aware placement "
+        "steers requests to). Active with dataplane.kv_reuse; 0 turns it off.",
+    )
     vllm: VLLMOptions = Field(
         default_factory=VLLMOptions, description="Options of the vllm engine (ignored by torch)."
     )
@@ -219,7 +227,6 @@ class ComputeConfig(_Strict):
     health_check_period_s: float = Field(default=10.0, gt=0, le=600)
     health_check_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
-
     autoscaling: ComputeAutoscalingConfig = Field(default_factory=ComputeAutoscalingConfig)
     # A replica that Serve stops (scale-down, redeploy) first finishes its requests, then
     # flushes its KV exports to the data plane (ComputeWorker.__del__).
@@ -241,6 +248,59 @@ class ComputeConfig(_Strict):
     def _resources(self) -> ComputeConfig:
         _check_role_resources("compute.resources", self.resources)
         return self
+
+
+class PlacementConfig(_Strict):
+    """Where a request runs (deployments/router/placement.py)."""
+
+    policy: Literal["cache_aware", "p2c"] = Field(
+        default="cache_aware",
+        description="`cache_aware`: session affinity (consistent hashing with bounded "
+        "load), then the replica holding the longest cached prefix, then power of two "
+        "choices; `p2c`: power of two choices on queue length only.",
+    )
+    load_factor: float = Field(
+        default=1.25,
+        ge=1.0,
+        le=10.0,
+        description="A session stays on its replica while that replica's queue (with the "
+        "request) is within load_factor x the average; past it, the next on the ring.",
+    )
+    queue_weight_tokens: float = Field(
+        default=64.0,
+        ge=0,
+        le=1_000_000,
+        description="Prefix score = cached prompt tokens - queue_weight_tokens x queue "
+        "length: how many cached tokens one queued request ahead is worth.",
+    )
+    prefix_memory_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        description="How long the router counts a prompt's blocks as held by the replica "
+        "it sent them to (beside what workers report); 0: reports only.",
+    )
+
+
+class CircuitBreakerConfig(_Strict):
+    """Per worker replica: out of placement when its error rate is too high."""
+
+    enabled: bool = Field(default=True)
+    window_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Outcomes of this many seconds count."
+    )
+    min_requests: int = Field(
+        default=5, ge=1, le=100_000, description="Fewest outcomes in the window before it may open."
+    )
+    error_rate: float = Field(
+        default=0.5, gt=0, le=1, description="Failed fraction of the window that opens it."
+    )
+    cooldown_s: float = Field(
+        default=10.0, gt=0, le=3600, description="Time out of placement before a probe."
+    )
+    half_open_probes: int = Field(
+        default=1, ge=1, le=1000, description="Requests let through at once while probing."
+    )
 
 
 class RouterConfig(_Strict):
@@ -270,6 +330,8 @@ class RouterConfig(_Strict):
     retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After seconds sent with a 429."
     )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
 
 
 class LimitsConfig(_Strict):

@@ -50,6 +50,8 @@ class ComputeWorker:
         self._tracer = telemetry.tracer(__name__)
         # Requests inside generate() (the replica's queue depth).
         self._num_in_flight = 0
+        # generate() calls this replica took (placement tests read it from routing stats).
+        self._num_requests = 0
         started = time.monotonic()
         kv_connector = None
         if dataplane is not None and self._config.dataplane.kv_reuse:
@@ -91,6 +93,7 @@ class ComputeWorker:
                 ("fetch_skipped", "Stored prefixes recomputed because that was measured faster."),
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),
+                ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),
             )
         }
         self._kv_reported: dict[str, int] = {}
@@ -141,6 +144,7 @@ class ComputeWorker:
     ) -> AsyncIterator[TokenDelta]:
         """Stream the deltas of one request. ``batch_key`` is read by the request router
         (placement) only. Cancelling this stream aborts the request in the engine."""
+        self._num_requests += 1
         ctx = telemetry.extract_context(request.trace_headers)
         with self._tracer.start_as_current_span("worker.generate", context=ctx) as span:
             span.set_attribute("llm.request_id", request.request_id)
@@ -238,12 +242,21 @@ class ComputeWorker:
         self._m_running.set(stats.num_running)
         self._m_waiting.set(stats.num_waiting)
         self._m_kv.set(stats.kv_usage)
-        for name, value in self.kv_stats().items():
+        kv = self.kv_stats()
+        for name, value in kv.items():
             counter = self._m_kv_counters.get(name)
             if counter is not None and value > self._kv_reported.get(name, 0):
                 counter.inc(value - self._kv_reported.get(name, 0))
                 self._kv_reported[name] = value
-        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting}
+        prefix_keys = getattr(self._engine, "prefix_cache_keys", None)
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_requests": self._num_requests,
+            "kv": kv,  # this replica's KV-reuse counters (benchmarks read them per replica)
+            # Keys of the KV blocks in the engine's L1 (cache-aware placement).
+            "prefix_keys": prefix_keys() if prefix_keys is not None else b"",
+        }
 
     def record_autoscaling_stats(self) -> dict:
         """Polled by Serve (every ``compute.autoscaling`` record interval) when autoscaling
@@ -330,6 +343,8 @@ def worker_deployment(config: AppConfig):
     """The ComputeWorker deployment with the options the config asks for."""
     from ray.serve.config import RequestRouterConfig
 
+    from deployments.router.placement import router_kwargs
+
     compute = config.compute
     return serve.deployment(ComputeWorker).options(
         name="ComputeWorker",
@@ -343,8 +358,10 @@ def worker_deployment(config: AppConfig):
             request_router_class="deployments.router.placement:QueueAwareRequestRouter",
             request_routing_stats_period_s=0.5,
             request_routing_stats_timeout_s=2.0,
+            request_router_kwargs=router_kwargs(config),
         ),
     )
+
 
 def replica_count_options(config: AppConfig) -> dict:
     """``num_replicas`` as configured, or, with ``compute.autoscaling.enabled``, Serve's

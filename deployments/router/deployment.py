@@ -31,12 +31,12 @@ from ray.util import metrics
 
 from app import telemetry
 from app.config import AppConfig
-from app.errors import RateLimitError, _causes
+from app.errors import GatewayTimeoutError, RateLimitError, _causes
 from app.telemetry import LATENCY_BUCKETS_S
 from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
 from deployments.router.batcher import DynamicBatcher
-from deployments.router.placement import TRACKER
+from deployments.router.placement import TRACKER, classify_outcome, report_outcome
 
 logger = logging.getLogger("ray.serve")
 
@@ -138,6 +138,11 @@ class Router:
             "Requests sent to a worker again because the first one died before any token.",
             tag_keys=("error",),
         )
+        self._m_timeouts = metrics.Counter(
+            "llm_router_timeouts",
+            "Requests past limits.request_timeout_s (504, work cancelled), by where they were.",
+            tag_keys=("stage",),
+        )
         self._prefetch_tasks: set[asyncio.Task] = set()
 
     def _prefetch(self, request: GenerationRequest) -> None:
@@ -231,15 +236,18 @@ class Router:
                     got_delta = True
                     yield delta
                 ended = True
+                report_outcome(request.request_id, True)  # for the replica's circuit breaker
                 return
             except Exception as e:
                 ended = True
+                report_outcome(request.request_id, classify_outcome(e))
                 if got_delta or retried or not is_retryable_death(e):
                     raise
                 error = e
             finally:
                 if not ended:  # closed or cancelled by the caller: stop the worker's work
                     stream.cancel()
+                    report_outcome(request.request_id, None)
             retried = True
             self._m_retries.inc(tags={"error": type(error).__name__})
             logger.warning(
@@ -276,11 +284,15 @@ class Router:
                 item = _Queued(request, time.monotonic())
                 self._batcher.submit(item)
                 self._m_pending.set(self._batcher.num_pending)
-                batch_key = await item.dispatched
+                batch_key = await self._within_deadline(item.dispatched, deadline, request, "queue")
                 span.set_attribute("llm.batch_key", batch_key)
                 request.trace_headers = telemetry.inject_context()
             async with contextlib.aclosing(self._stream_with_retry(request, batch_key, deadline)) as deltas:
-                async for delta in deltas:
+                while True:
+                    try:
+                        delta = await self._within_deadline(deltas.__anext__(), deadline, request, "generate")
+                    except StopAsyncIteration:
+                        break
                     yield delta
         finally:
             if item is not None and (item.dispatched.cancelled() or not item.dispatched.done()):
@@ -295,9 +307,32 @@ class Router:
             self._admission.release()
             self._m_queue_depth.set(self._admission.depth)
 
+    async def _within_deadline(self, awaitable, deadline: float, request: GenerationRequest, stage: str):
+        """``awaitable``'s result, or a 504 once the request's deadline passed. The
+        awaitable is cancelled then: out of the batcher's queue, or the worker stream is
+        cancelled, which aborts the sequence in the engine."""
+        try:
+            # asyncio.timeout, not wait_for: no extra task per delta on the hot path.
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await awaitable
+        except TimeoutError:
+            if time.monotonic() < deadline:
+                raise  # not ours: a timeout inside the call
+        timeout_s = self._config.limits.request_timeout_s
+        self._m_timeouts.inc(tags={"stage": stage})
+        logger.warning(
+            "request %s passed its deadline (request_timeout_s=%.1fs) in %s; cancelled, 504",
+            request.request_id,
+            timeout_s,
+            stage,
+        )
+        raise GatewayTimeoutError(
+            f"The request took longer than the server's limit of {timeout_s:g}s and was cancelled.",
+            code="timeout",
+        )
+
     async def ready(self) -> bool:
         return await self._capabilities_worker.ready.remote()
 
     def queue_depth(self) -> int:
         return self._admission.depth
-

@@ -21,6 +21,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
         kv_connector=kv_connector,
         model_id=config.model.id,
         block_size=config.dataplane.block_size,
+        prefix_cache_bytes=config.engine.prefix_cache_bytes,
     )
 
 

@@ -85,6 +85,9 @@ class KVStats:
     fetch_failures: int = 0
     blocks_exported: int = 0
     export_failures: int = 0
+    # Prompt tokens whose K/V came from this worker's own L1 prefix cache (a subset of
+    # prefix_hit_tokens, which counts every reused token).
+    l1_hit_tokens: int = 0
     # EWMA of prefill speed (computed prompt tokens per second); None until measured.
     prefill_tokens_per_s: Optional[float] = None
 
@@ -153,6 +156,7 @@ class TorchEngine(Engine):
         kv_connector: Optional[KVConnector] = None,
         model_id: str = "model",
         block_size: int = 16,
+        prefix_cache_bytes: int = 0,
     ):
         from transformers import AutoConfig, AutoTokenizer
 
@@ -204,6 +208,13 @@ class TorchEngine(Engine):
         self.block_size = block_size
         self._kv_block_shape = block_shape(self.config, block_size)
         self._kv_stats = KVStats()
+        # L1 (engines/prefix_cache.py): recent blocks in this process, in front of the
+        # connector; part of KV reuse, so only with a connector.
+        self._l1 = None
+        if kv_connector is not None and prefix_cache_bytes > 0:
+            from deployments.compute.engines.prefix_cache import PrefixCache
+
+            self._l1 = PrefixCache(prefix_cache_bytes, block_size)
         # Per tier: stored prefixes recomputed since the last fetch (see _fetch_prefix).
         self._skips_since_fetch: dict[str, int] = {}
         # Prefill speed = EWMA(tokens) / EWMA(seconds): a ratio of averages, so long
@@ -284,6 +295,7 @@ class TorchEngine(Engine):
             fetch_failures=s.fetch_failures,
             blocks_exported=s.blocks_exported,
             export_failures=s.export_failures,
+            l1_hit_tokens=s.l1_hit_tokens,
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
         )
 
@@ -367,11 +379,13 @@ class TorchEngine(Engine):
         if not hashes:
             return None
         stats.lookups += 1
+        l1_blocks = self._l1.longest_prefix(hashes) if self._l1 is not None else 0
         try:
-            hit = await kv.lookup(tenant, hashes)
+            # The data plane may hold more than L1 (a turn served by another replica).
+            hit = await kv.lookup(tenant, hashes) if l1_blocks < len(hashes) else PrefixHit(0)
             num_blocks = min(int(hit.num_blocks), len(hashes))
-            if num_blocks <= 0:
-                return None
+            if l1_blocks >= num_blocks:
+                return await self._from_l1(hashes, l1_blocks)
             if num_blocks != hit.num_blocks:
                 hit = PrefixHit(num_blocks, hit.tier, hit.num_bytes * num_blocks // max(1, hit.num_blocks))
             fetch = should_fetch(
@@ -386,7 +400,7 @@ class TorchEngine(Engine):
                 # update would otherwise stay stale (one slow fetch would end reuse).
                 self._skips_since_fetch[hit.tier] = skips + 1
                 stats.fetch_skipped += 1
-                return None
+                return await self._from_l1(hashes, l1_blocks)
             self._skips_since_fetch[hit.tier] = 0
             started = time.perf_counter()
             blocks = await kv.load(tenant, hashes[:num_blocks])
@@ -394,12 +408,12 @@ class TorchEngine(Engine):
             if blocks is None or len(blocks) != num_blocks:
                 stats.fetch_failures += 1
                 logger.info("kv prefix load of %d blocks missed for %s", num_blocks, request.request_id)
-                return None
+                return await self._from_l1(hashes, l1_blocks)
             num_bytes = sum(len(b) for b in blocks)
             if elapsed > 0:
                 kv.record_fetch(hit.tier, num_bytes, elapsed)
-            if num_bytes > _DECODE_INLINE_MAX_BYTES:
-                return await asyncio.to_thread(self._decode_prefix, blocks)
+            if num_bytes > _DECODE_INLINE_MAX_BYTES or self._l1 is not None:
+                return await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks])
             return self._decode_prefix(blocks)
         except CorruptBlockError as e:
             stats.fetch_failures += 1
@@ -409,8 +423,34 @@ class TorchEngine(Engine):
             logger.warning("kv prefix fetch failed for %s, recomputing", request.request_id, exc_info=True)
         return None
 
-    def _decode_prefix(self, blocks: list[bytes]) -> torch.Tensor:
-        return decode_kv_blocks(blocks, dtype=self.dtype, shape=self._kv_block_shape)
+    def _decode_prefix(self, blocks: list[bytes], hashes: Optional[list[str]] = None) -> torch.Tensor:
+        prefix = decode_kv_blocks(blocks, dtype=self.dtype, shape=self._kv_block_shape)
+        if self._l1 is not None and hashes:
+            self._l1.put(hashes, prefix)  # a fetched prefix is local from now on
+        return prefix
+
+    async def _from_l1(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
+        """The first ``num_blocks`` blocks from L1 as one prefix tensor; None if there are
+        none (or one was evicted since the lookup)."""
+        if num_blocks <= 0 or self._l1 is None:
+            return None
+        if num_blocks * self._l1_block_bytes() > _DECODE_INLINE_MAX_BYTES:
+            prefix = await asyncio.to_thread(self._l1.get, hashes[:num_blocks])
+        else:
+            prefix = self._l1.get(hashes[:num_blocks])
+        if prefix is not None:
+            self._kv_stats.l1_hit_tokens += num_blocks * self.block_size
+        return prefix
+
+    def _l1_block_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self._kv_block_shape:
+            n *= d
+        return n
+
+    def prefix_cache_keys(self) -> bytes:
+        """Keys of the blocks in L1 (8 bytes of each hash), for cache-aware placement."""
+        return self._l1.packed_keys() if self._l1 is not None else b""
 
     def _start_export(self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor) -> None:
         """On the request's event loop: encode and save one finished request's new blocks."""
@@ -434,6 +474,8 @@ class TorchEngine(Engine):
         blocks = encode_kv_blocks(span, self.block_size)
         if len(hashes) != len(blocks):
             raise RuntimeError(f"{len(hashes)} hashes for {len(blocks)} exported blocks")
+        if self._l1 is not None:
+            self._l1.put(hashes, span)
         return hashes, blocks
 
     # ------------------------------------------------------------------ loop thread

@@ -1,0 +1,122 @@
+"""The Router's deadline (limits.request_timeout_s): a request still queued or still
+streaming when it passes gets a 504, and its work is cancelled (out of the batcher's queue,
+or the worker stream is cancelled, which aborts the sequence in the engine). The worker
+handle is a test double; no Ray cluster."""
+
+import asyncio
+import time
+
+import pytest
+
+from app.errors import GatewayTimeoutError, to_api_error
+from deployments.compute.engines.protocol import (
+    EngineCapabilities,
+    GenerationRequest,
+    SamplingParams,
+    TokenDelta,
+)
+from deployments.router.deployment import Router
+
+
+class _Stream:
+    """A worker stream: yields ``num_deltas`` deltas, then hangs (a long generation)."""
+
+    def __init__(self, num_deltas: int, finish: bool = False):
+        self.num_deltas = num_deltas
+        self.finish = finish
+        self.sent = 0
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.sent < self.num_deltas:
+            self.sent += 1
+            last = self.finish and self.sent == self.num_deltas
+            return TokenDelta(text="x", token_ids=[7], finish_reason="length" if last else None)
+        if self.finish:
+            raise StopAsyncIteration
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class _Worker:
+    def __init__(self, stream: _Stream):
+        self.stream = stream
+        self.generate = _Method(lambda request, batch_key=None: self.stream)
+
+        async def caps():
+            return EngineCapabilities()
+
+        self.capabilities = _Method(caps)
+
+    def options(self, **_):
+        return self
+
+
+def _router(stream: _Stream, timeout_s: float, **router) -> Router:
+    config = {"limits": {"request_timeout_s": timeout_s}, "router": router, "dataplane": {"enabled": False}}
+    return Router(_Worker(stream), config)
+
+
+def _request() -> GenerationRequest:
+    return GenerationRequest("req-1", [1, 2, 3], SamplingParams(max_tokens=100))
+
+
+async def _consume(router: Router) -> list[TokenDelta]:
+    return [d async for d in router.generate(_request())]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_past_its_deadline_gets_504_and_is_cancelled():
+    stream = _Stream(num_deltas=2)
+    router = _router(stream, 0.3)
+    got = []
+    started = time.monotonic()
+
+    async def run():
+        async for delta in router.generate(_request()):
+            got.append(delta)
+
+    with pytest.raises(GatewayTimeoutError) as info:
+        await asyncio.wait_for(run(), 10)  # without a deadline: TimeoutError, a failure
+    elapsed = time.monotonic() - started
+    assert len(got) == 2  # what came before the deadline was delivered
+    assert 0.3 <= elapsed < 1.5
+    assert stream.cancelled  # the worker call was cancelled: the engine aborts the sequence
+    err = to_api_error(info.value)
+    assert err.status_code == 504 and err.body()["error"]["code"] == "timeout"
+    assert router.queue_depth() == 0  # admission released
+
+
+@pytest.mark.asyncio
+async def test_a_request_still_queued_at_its_deadline_gets_504_and_leaves_the_queue():
+    stream = _Stream(num_deltas=1, finish=True)
+    router = _router(stream, 0.3, max_batch_size=8, batch_wait_timeout_ms=10_000)
+    router._num_inflight = 1  # every worker busy: the request waits for its batch to fill
+    started = time.monotonic()
+    with pytest.raises(GatewayTimeoutError):
+        await asyncio.wait_for(_consume(router), 15)
+    assert 0.3 <= time.monotonic() - started < 1.5
+    assert router._batcher.num_pending == 0 and router.queue_depth() == 0
+    assert stream.sent == 0  # never reached a worker
+
+
+@pytest.mark.asyncio
+async def test_a_request_within_its_deadline_is_untouched():
+    stream = _Stream(num_deltas=3, finish=True)
+    router = _router(stream, 5.0)
+    deltas = await _consume(router)
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert not stream.cancelled

@@ -36,7 +36,15 @@ from app.errors import (
 )
 from app.metrics_export import collect_cluster_metrics
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
-from app.sessions import PendingTurn, SessionClient, fit_history, session_json
+from app.sessions import (
+    TOKEN_IDS_KEY,
+    PendingTurn,
+    SessionClient,
+    exact_prompt_ids,
+    fit_history,
+    reply_token_ids,
+    session_json,
+)
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
 from deployments.router.deployment import Router
@@ -109,10 +117,14 @@ class _Call:
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
         self.turn: Optional[PendingTurn] = None
+        # A session turn's generated token ids, stored with the reply (see sessions.py).
+        self.output_ids: Optional[list[int]] = None
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
             self.first_token_at = time.monotonic()
+        if self.output_ids is not None:
+            self.output_ids.extend(delta.token_ids)
         self.num_output_tokens = max(
             self.num_output_tokens + len(delta.token_ids), delta.num_output_tokens
         )
@@ -169,6 +181,7 @@ class Ingress:
         self._router = Router(worker, config, dataplane)
         model_path = self._config.model.resolved_path()
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._max_model_len = self._config.model.checkpoint_max_len()
         self._created = now()
         self._m = _Metrics()
@@ -260,6 +273,8 @@ class Ingress:
         )
 
     def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        if any(TOKEN_IDS_KEY in m for m in messages):
+            return exact_prompt_ids(self._tokenizer, messages)
         text = self._tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
@@ -293,7 +308,11 @@ class Ingress:
         """Append the finished turn (user messages + reply) in one compare-and-set."""
         if call.turn is None:
             return
-        messages = call.turn.new_messages + [{"role": "assistant", "content": text}]
+        reply = {"role": "assistant", "content": text}
+        ids = reply_token_ids(call.output_ids, call.finish_reason, self._special_ids)
+        if ids is not None:
+            reply[TOKEN_IDS_KEY] = ids
+        messages = call.turn.new_messages + [reply]
         await self._sessions.append(
             call.turn, messages, call.num_prompt_tokens + call.num_output_tokens
         )
@@ -358,6 +377,8 @@ class Ingress:
                     span.set_attribute("llm.session_id", turn.session_id)
                 call = _Call(endpoint, gen_request.request_id, len(prompt_ids))
                 call.turn = turn
+                if turn is not None:
+                    call.output_ids = []
                 span.set_attribute("llm.request_id", call.request_id)
                 span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
                 span.set_attribute("llm.stream", req.stream)

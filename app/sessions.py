@@ -20,6 +20,61 @@ from app.errors import InvalidRequestError, NotFoundError
 SESSION_ID_RE = re.compile(r"^sess_[0-9a-f]{32}$")
 DEFAULT_TENANT = "default"
 
+# An assistant reply in a session keeps the token ids the model generated, under this key
+# (never shown by the API). The next turn's prompt splices them back in place of the
+# reply's text, so its prefix is token-for-token what the engine processed last turn and
+# every KV block of it (prompt and reply) is found again. Re-tokenising the reply text
+# would not give the same ids (a model need not generate the tokenizer's own split) and
+# would turn the reply, and everything after it, into a cache miss.
+TOKEN_IDS_KEY = "_token_ids"
+_SENTINEL = "\u27e6{nonce}:{index}\u27e7"
+_NONCE = uuid.uuid4().hex[:12]
+
+
+def reply_token_ids(output_ids: Optional[list[int]], finish_reason: Optional[str], special_ids) -> Optional[list[int]]:
+    """The ids to keep with a reply whose text is what the client got: all generated ids,
+    less a final special token (the end-of-turn the template writes after the reply
+    anyway). None when they do not match the text: a stop string cut the text short."""
+    if not output_ids:
+        return None
+    if finish_reason == "stop":
+        if output_ids[-1] not in special_ids:
+            return None  # ended by a stop string: the ids run past the text
+        return output_ids[:-1]
+    return list(output_ids)
+
+
+def exact_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat-template prompt ids with the stored ids of replies spliced in. The template is
+    rendered with a sentinel in place of each such reply; the text between sentinels is
+    tokenised piece by piece. Pieces start and end at the template's special tokens and
+    message boundaries, so a conversation's prompt ids only ever grow by appending: turn
+    k+1 starts with turn k's prompt ids and reply ids exactly. A template that does not
+    keep the sentinels intact falls back to tokenising the whole text."""
+    rendered, spliced = [], []
+    for m in messages:
+        ids = m.get(TOKEN_IDS_KEY)
+        if ids is None:
+            rendered.append({k: v for k, v in m.items() if k != TOKEN_IDS_KEY})
+            continue
+        rendered.append({"role": m["role"], "content": _SENTINEL.format(nonce=_NONCE, index=len(spliced))})
+        spliced.append(ids)
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    pieces = re.split("\u27e6" + _NONCE + r":(\d+)\u27e7", text)
+    # re.split with a group: [text, index, text, index, ..., text]
+    indices = [int(i) for i in pieces[1::2]]
+    if indices != list(range(len(spliced))):
+        plain = [{k: v for k, v in m.items() if k != TOKEN_IDS_KEY} for m in messages]
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    out: list[int] = []
+    for i, piece in enumerate(pieces[0::2]):
+        if piece:
+            out += tokenizer.encode(piece, add_special_tokens=False)
+        if i < len(spliced):
+            out += spliced[i]
+    return out
+
 
 def check_session_id(session_id: str) -> str:
     if not SESSION_ID_RE.match(session_id or ""):
@@ -130,5 +185,5 @@ def session_json(record) -> dict:
         "expires_at": int(record.expires_at),
         "version": record.version,
         "num_tokens": record.num_tokens,
-        "messages": record.messages,
+        "messages": [{k: v for k, v in m.items() if k != TOKEN_IDS_KEY} for m in record.messages],
     }

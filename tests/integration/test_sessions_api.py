@@ -53,23 +53,41 @@ def test_multi_turn_conversation_keeps_history_in_order(served_app):
     assert s["num_tokens"] > 3 * 8
 
 
-def test_session_turn_equals_stateless_request_with_full_history(served_app):
-    """The server puts the stored history in front, and KV blocks reused from the data
-    plane change no token: the reply equals a stateless request carrying the history."""
+def stored_record(served_app, sid):
+    """The DataPlane's own record (with the reply token ids the API never shows)."""
+    from ray import serve
+
+    dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
+    return dataplane.get_session.remote("default", sid, shard_key=sid).result(timeout_s=30)
+
+
+def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
+    """The server puts the stored history in front, token for token: the first reply's
+    generated ids (not a re-tokenisation of its text) followed by the new message. The
+    reply equals a stateless completions request with exactly those prompt ids, so KV
+    blocks reused from the data plane change no token."""
+    from transformers import AutoTokenizer
+
+    from app.sessions import TOKEN_IDS_KEY, exact_prompt_ids
+
     client = served_app.client()
     sid = new_session(served_app)["id"]
     first = turn(client, served_app.model_id, sid, "a long first message " * 6, max_tokens=12)
     second = turn(client, served_app.model_id, sid, "and a follow up", max_tokens=12)
-    history = get_session(served_app, sid).json()["messages"][:2]
-    stateless = client.chat.completions.create(
-        model=served_app.model_id,
-        messages=history + [{"role": "user", "content": "and a follow up"}],
-        temperature=0,
-        max_tokens=12,
+    messages = stored_record(served_app, sid).messages
+    history = messages[:2]
+    assert history[1]["content"] == first.choices[0].message.content
+    assert len(history[1][TOKEN_IDS_KEY]) == first.usage.completion_tokens  # ended by length
+    tokenizer = AutoTokenizer.from_pretrained(served_app.model_path)
+    prompt = exact_prompt_ids(tokenizer, history + [{"role": "user", "content": "and a follow up"}])
+    # The second prompt starts with the first prompt and the first reply, exactly.
+    first_prompt = exact_prompt_ids(tokenizer, history[:1])
+    assert prompt[: len(first_prompt) + len(history[1][TOKEN_IDS_KEY])] == first_prompt + history[1][TOKEN_IDS_KEY]
+    stateless = client.completions.create(
+        model=served_app.model_id, prompt=prompt, temperature=0, max_tokens=12
     )
-    assert first.choices[0].message.content == history[1]["content"]
-    assert second.choices[0].message.content == stateless.choices[0].message.content
-    assert second.usage.prompt_tokens == stateless.usage.prompt_tokens
+    assert second.choices[0].message.content == stateless.choices[0].text
+    assert second.usage.prompt_tokens == stateless.usage.prompt_tokens == len(prompt)
 
 
 def test_session_id_in_body_and_streaming_turn_is_appended(served_app):

@@ -8,7 +8,10 @@ user message (--turn-words words, about 3 tokens each), the reply is --reply-tok
 context grows to about turns × (turn + reply) tokens. Modes, alternated per round so that
 drift on a shared machine hits them alike:
 
-* ``l2``: KV reuse on; blocks stay in the data plane's host memory between turns;
+* ``l1``: KV reuse on with the worker's own prefix cache (``engine.prefix_cache_bytes``,
+  the default): blocks stay in the worker's memory, the data plane behind it;
+* ``l2``: KV reuse on, the worker's prefix cache off; blocks stay in the data plane's host
+  memory between turns;
 * ``l3``: KV reuse on; the data plane's host memory is flushed before every turn, so the
   blocks come back from Redis;
 * ``recompute``: KV reuse off (``dataplane.kv_reuse: false``); every turn prefills its
@@ -41,10 +44,13 @@ def _say(msg: str) -> None:
     print(f"[multiturn] {msg}", file=sys.stderr, flush=True)
 
 
-def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int) -> dict:
+def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int, l1: bool = False) -> dict:
+    engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
+    if not l1:
+        engine["prefix_cache_bytes"] = 0
     return {
         "model": {"id": "bench", "path": str(model_path)},
-        "engine": {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8},
+        "engine": engine,
         "compute": {"num_replicas": 1, "num_cpus": 1},
         "router": {"max_batch_size": 1},
         "limits": {"default_max_tokens": 64},
@@ -144,16 +150,16 @@ def main(argv=None) -> int:
 
     model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
     base_url = f"http://127.0.0.1:{args.port}"
-    runs: dict[str, list[list[float]]] = {"l2": [], "l3": [], "recompute": []}
+    runs: dict[str, list[list[float]]] = {"l1": [], "l2": [], "l3": [], "recompute": []}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
-            for kv_reuse, modes in ((True, ("l2", "l3")), (False, ("recompute",))):
-                _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse}")
+            for kv_reuse, l1, modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):
+                _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1}")
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
-                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads)),
+                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads, l1)),
                     name="bench",
                     route_prefix="/",
                     blocking=False,
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
     table = {mode: per_turn(mode) for mode in runs}
     late = range(3, args.turns)  # turns >= 4
     ratios = {
+        "recompute_over_l1_turns_ge4": statistics.median(table["recompute"][t] / table["l1"][t] for t in late),
         "recompute_over_l2_turns_ge4": statistics.median(table["recompute"][t] / table["l2"][t] for t in late),
         "recompute_over_l3_turns_ge4": statistics.median(table["recompute"][t] / table["l3"][t] for t in late),
         "miss_cost_turn1_l2_over_recompute": table["l2"][0] / table["recompute"][0],

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
     serve.start(http_options={"host": host, "port": port})
-    _say("deploying Ingress → Router → ComputeWorker (loading weights, warm-up)")
+    _say("deploying Ingress (with its router) → ComputeWorker → DataPlane (loading weights, warm-up)")
     serve.run(
         application,
         name=app_doc.get("name", "llm"),

@@ -37,7 +37,11 @@ class DataPlaneKVConnector(KVConnector):
         self.block_size = block_size
         self._timeout_s = timeout_s
         self._session_id = session_id
-        self._bandwidth = {TIER_L2: Ewma(ewma_alpha), TIER_L3: Ewma(ewma_alpha)}
+        # Per tier, moving averages of bytes and seconds per fetch; their ratio is the
+        # bandwidth. A ratio of averages weighs big fetches as they deserve: the average of
+        # per-fetch ratios let small fetches (mostly fixed per-call cost) drag the figure
+        # down, and then whole long prefixes were recomputed instead of fetched.
+        self._bandwidth = {tier: (Ewma(ewma_alpha), Ewma(ewma_alpha)) for tier in (TIER_L2, TIER_L3)}
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._pending: set[asyncio.Task] = set()
         # The loop the connector was built on: ``save`` may be called from an engine's
@@ -125,8 +129,15 @@ class DataPlaneKVConnector(KVConnector):
 
     def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
         if tier in self._bandwidth and num_bytes > 0 and seconds > 0:
-            self._bandwidth[tier].update(num_bytes / seconds)
+            avg_bytes, avg_seconds = self._bandwidth[tier]
+            avg_bytes.update(num_bytes)
+            avg_seconds.update(seconds)
 
     def bandwidth_bytes_per_s(self, tier: str) -> Optional[float]:
-        ewma = self._bandwidth.get(tier)
-        return None if ewma is None or tier == TIER_NONE else ewma.value
+        averages = self._bandwidth.get(tier)
+        if averages is None or tier == TIER_NONE:
+            return None
+        avg_bytes, avg_seconds = averages
+        if not avg_bytes.value or not avg_seconds.value:
+            return None
+        return avg_bytes.value / avg_seconds.value

@@ -158,3 +158,20 @@ def test_pack_unpack_blocks_roundtrip_without_copy_and_length_check():
     assert bytes(views[0]) == b"Xbc"
     with pytest.raises(CorruptBlockError):
         unpack_blocks(data, [3, 0, 499])
+
+
+def test_tier_bandwidth_is_bytes_over_seconds_of_the_averages():
+    """A small fetch (mostly fixed per-call cost) must not make a fast tier look slow:
+    the figure is average bytes / average seconds, not the average of per-fetch rates."""
+    from deployments.dataplane.connector import DataPlaneKVConnector
+    from deployments.compute.engines.kv import TIER_L2, TIER_L3
+
+    conn = DataPlaneKVConnector(None, 16, ewma_alpha=0.5)
+    assert conn.bandwidth_bytes_per_s(TIER_L2) is None
+    conn.record_fetch(TIER_L2, 32 << 20, 0.040)  # 32 MiB in 40 ms
+    conn.record_fetch(TIER_L2, 64 << 10, 0.010)  # 64 KiB in 10 ms: 6.5 MB/s on its own
+    expected = (0.5 * (64 << 10) + 0.5 * (32 << 20)) / (0.5 * 0.010 + 0.5 * 0.040)
+    assert conn.bandwidth_bytes_per_s(TIER_L2) == pytest.approx(expected)
+    # The average of the two rates would be ~0.42 GB/s; this is ~0.67 GB/s.
+    assert conn.bandwidth_bytes_per_s(TIER_L2) > 0.6e9
+    assert conn.bandwidth_bytes_per_s(TIER_L3) is None

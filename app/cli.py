@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app
+    from app.builder import build_app, use_serve_process_env
 
     doc = load_serve_config(Path(args.config))
     app_doc = doc["applications"][0]
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     redis = start_embedded_redis(AppConfig.model_validate(app_args), Path(args.state_dir))
 
     _say(f"starting Ray (num_cpus={args.num_cpus})")
+    use_serve_process_env()
     ray.init(
         num_cpus=args.num_cpus,
         include_dashboard=False,

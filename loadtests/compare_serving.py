@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
     args.vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
     base_url = f"http://127.0.0.1:{args.port}"
+    from app.builder import use_serve_process_env
+
+    use_serve_process_env()  # as app.cli does
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     results: dict[str, list[dict]] = {}
 

@@ -181,6 +181,9 @@ class OurApp:
 
         started = time.monotonic()
         self.running = True
+        from app.builder import use_serve_process_env
+
+        use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(build_app(self.app_args), name="bench", route_prefix="/", blocking=False)

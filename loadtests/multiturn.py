@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     runs: dict[str, list[list[float]]] = {"l1": [], "l2": [], "l3": [], "recompute": []}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis:
+        from app.builder import use_serve_process_env
+
+        use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
             for kv_reuse, l1, modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):

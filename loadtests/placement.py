@@ -202,6 +202,9 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {m: [] for m in MODES}
     kv: dict[str, list[dict]] = {m: [] for m in MODES}
     with LocalRedis() as redis:
+        from app.builder import use_serve_process_env
+
+        use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         try:

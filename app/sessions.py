@@ -9,13 +9,24 @@ so two racing turns never interleave: the second append gets 409.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from app.config import SessionConfig
-from app.errors import InvalidRequestError, NotFoundError
+from app.errors import ConflictError, InvalidRequestError, NotFoundError, _causes
+
+logger = logging.getLogger("ray.serve")
+
+# A DataPlane replica that dies under a session call (or is unreachable) costs the call,
+# not the request: the handle drops a dead replica from its candidates at once, so the
+# same call made again goes to the key's next owner on the hash ring, which reads the
+# session from Redis. Retried with a short backoff for at most this long.
+DEATH_RETRY_BUDGET_S = 10.0
 
 SESSION_ID_RE = re.compile(r"^sess_[0-9a-f]{32}$")
 DEFAULT_TENANT = "default"
@@ -133,25 +144,108 @@ def fit_history(
     return messages, num_tokens
 
 
+def replica_died(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a cause Ray wrapped it in) says the replica that took the call
+    died or could not be reached, so the call may be made again on another one."""
+    try:
+        import ray.exceptions as rex
+        from ray.serve.exceptions import DeploymentUnavailableError
+    except ImportError:  # pragma: no cover - Ray is always there when a handle is
+        return False
+    types = (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, DeploymentUnavailableError)
+    return any(isinstance(cause, types) for cause in _causes(exc))
+
+
 class SessionClient:
-    """The ingress side of the sessions API over the DataPlane handle."""
+    """The ingress side of the sessions API over the DataPlane handle.
+
+    Every call survives the death of the data-plane replica that takes it (see
+    ``DEATH_RETRY_BUDGET_S``). A retried call may find its first attempt applied (the
+    replica died after Redis took the write, before it answered): a create then finds its
+    own fresh id taken, an append finds the version one further with its messages at the
+    end, a delete finds nothing; each of those is the call's success, not an error.
+    """
 
     def __init__(self, dataplane, config: SessionConfig, tenant: str = DEFAULT_TENANT):
         self._dp = dataplane
         self.config = config
         self.tenant = tenant
+        self._m_retries = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                from ray.util import metrics
+
+                self._m_retries = metrics.Counter(
+                    "llm_session_dataplane_retries",
+                    "Session calls made again because the data-plane replica died under them.",
+                    tag_keys=("op",),
+                )
+        except Exception:  # noqa: BLE001 - metrics are optional outside a Ray worker
+            self._m_retries = None
+
+    async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, **kwargs):
+        """``self._dp.<op>.remote(*args, **kwargs)``, made again while the replica taking
+        it dies. ``retried``, if given, gets True appended when a retry happened (also
+        when the call then fails: an append's 409 means something else after a retry)."""
+        deadline = time.monotonic() + DEATH_RETRY_BUDGET_S
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self._dp, op).remote(*args, **kwargs)
+            except Exception as e:
+                if not replica_died(e) or time.monotonic() >= deadline:
+                    raise
+                attempt += 1
+                if retried is not None:
+                    retried.append(True)
+                self._on_retry(op, sid, e, attempt)
+            await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic())))
+
+    def _on_retry(self, op: str, session_id: str, error: BaseException, attempt: int) -> None:
+        from opentelemetry import trace
+
+        logger.warning(
+            "session %s: the data-plane replica died under %s (%s); trying again (attempt %d)",
+            session_id,
+            op,
+            type(error).__name__,
+            attempt + 1,
+        )
+        trace.get_current_span().add_event(
+            "session.dataplane_retry", {"op": op, "error": type(error).__name__, "attempt": attempt}
+        )
+        if self._m_retries is not None:
+            self._m_retries.inc(tags={"op": op})
 
     async def create(self, ttl_s: Optional[int] = None):
         ttl = ttl_s or self.config.cache_ttl_s
         # The id is made here so that the call can be routed to the id's shard.
         session_id = f"sess_{uuid.uuid4().hex}"
-        return await self._dp.create_session.remote(
-            self.tenant, session_id=session_id, ttl_s=ttl, shard_key=session_id
-        )
+        retried: list = []
+        try:
+            return await self._call(
+                "create_session",
+                session_id,
+                self.tenant,
+                session_id=session_id,
+                ttl_s=ttl,
+                shard_key=session_id,
+                retried=retried,
+            )
+        except ConflictError:
+            if not retried:
+                raise
+            # The id is fresh: only our own first attempt can have taken it.
+            record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
+            if record is None or record.version != 0:
+                raise
+            return record
 
     async def get(self, session_id: str):
         check_session_id(session_id)
-        record = await self._dp.get_session.remote(self.tenant, session_id, shard_key=session_id)
+        record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
         if record is None:
             # Same answer for absent, expired and another tenant's: no existence leak.
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
@@ -160,19 +254,43 @@ class SessionClient:
     async def append(self, turn: PendingTurn, messages: list[dict], context_tokens: int):
         """Append ``messages``; ``context_tokens`` is the conversation's size in tokens
         after this turn (prompt + reply)."""
-        return await self._dp.append_turn.remote(
-            self.tenant,
-            turn.session_id,
-            turn.expected_version,
-            messages,
-            context_tokens - turn.base_num_tokens,
-            shard_key=turn.session_id,
-        )
+        sid = turn.session_id
+        retried: list = []
+        try:
+            return await self._call(
+                "append_turn",
+                sid,
+                self.tenant,
+                sid,
+                turn.expected_version,
+                messages,
+                context_tokens - turn.base_num_tokens,
+                shard_key=sid,
+                retried=retried,
+            )
+        except ConflictError:
+            if not retried:
+                raise  # a turn that raced this one: the client's 409
+            # Applied by the attempt whose replica died before answering? Then the session
+            # is exactly one version further and ends with these messages.
+            record = await self._call("get_session", sid, self.tenant, sid, shard_key=sid)
+            if (
+                record is None
+                or record.version != turn.expected_version + 1
+                or record.messages[-len(messages) :] != messages
+            ):
+                raise
+            logger.info("session %s: the turn was applied before its replica died", sid)
+            return record
 
     async def delete(self, session_id: str) -> bool:
         check_session_id(session_id)
-        deleted = await self._dp.delete_session.remote(self.tenant, session_id, shard_key=session_id)
-        if not deleted:
+        retried: list = []
+        deleted = await self._call(
+            "delete_session", session_id, self.tenant, session_id, shard_key=session_id, retried=retried
+        )
+        # After a retry, "nothing to delete" is our first attempt's work.
+        if not deleted and not retried:
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
         return True
 

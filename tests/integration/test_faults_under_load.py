@@ -1,0 +1,481 @@
+"""Faults and overload under load, through the whole application over HTTP (loopback only;
+every phase bounded in requests and time).
+
+* A ComputeWorker replica is killed (``ray.kill`` of its actor: the process is gone) under
+  steady non-streaming load on two replicas: at least 99.9% of the requests succeed, and a
+  new replica is running and taking requests within 30 s. (Non-streaming requests are
+  counted because a client of one sees nothing until the reply is complete; a stream that
+  already had tokens when its replica died ends with an error event by design, see
+  test_fault_recovery.py.)
+* A DataPlane replica is killed under session traffic: no request fails and every
+  acknowledged turn is in its session afterwards, once and in order. (Redis stopping
+  under session traffic is test_redis_outage.py.)
+* Overload at 4x the capacity measured here first: every request not served gets 429 with
+  Retry-After, quickly (p99 < 1 s); accepted requests keep a p99 bounded by the admission
+  queue (twice max_queue_depth / the rate accepted requests complete at, plus 2 s); the
+  resident memory of every replica process of the app stays flat.
+
+One application ("loadfaults" at "/loadfaults") beside the shared "llm" app: two torch
+ComputeWorkers, two DataPlane replicas, a small router queue. Each test starts from a
+healthy app (all replicas running, /ready 200). Deployment names come from
+``serve.status()``; nothing is asked of the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.fixtures.models import get_model_path
+from tests.fixtures.serve_app import app_args, wait_ready
+
+pytestmark = pytest.mark.integration
+
+APP_NAME = "loadfaults"
+ROUTE_PREFIX = "/loadfaults"
+MAX_QUEUE_DEPTH = 16
+REPLICA_BACK_WITHIN_S = 30.0
+MIN_SUCCESS_RATE = 0.999
+REJECT_P99_S = 1.0
+OVERLOAD_FACTOR = 4.0
+OVERLOAD_S = 8.0
+OVERLOAD_MAX_TOKENS = 256
+CAPACITY_PROBE_S = 4.0
+CAPACITY_CLIENTS = 16  # = the engine slots of both replicas (2 x max_num_seqs 8)
+# The accepted-request p99 bound: the admission queue drained at the accepted rate, twice, plus this.
+ACCEPTED_P99_SLACK_S = 2.0
+# Resident memory of one replica process may grow by at most this much during overload.
+RSS_GROWTH_BOUND = (1.25, 64 << 20)  # factor, plus bytes
+
+
+@pytest.fixture(scope="module")
+def lf_app(ray_cluster, redis_server, http_port):
+    from ray import serve
+
+    from app.builder import build_app
+
+    args = app_args(
+        get_model_path("tiny"),
+        redis_server.url,
+        engine={"name": "torch", "max_num_seqs": 8, "num_threads": 1},
+        compute={"num_replicas": 2, "num_cpus": 1, "health_check_period_s": 1.0, "health_check_timeout_s": 10.0},
+        router={"max_queue_depth": MAX_QUEUE_DEPTH},
+        limits={"request_timeout_s": 60},
+        dataplane={"num_replicas": 2},
+    )
+    base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
+    try:
+        serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
+        wait_ready(base_url, timeout_s=240)
+        yield base_url
+    finally:
+        serve.delete(APP_NAME)
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+def _replica_names(deployment: str) -> set[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment}#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def _running_replicas(deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[APP_NAME].deployments[deployment]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def _wait_healthy(base_url: str, timeout_s: float = 120) -> None:
+    """All deployments of the app at their target with every replica running."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications[APP_NAME]
+        if status.status == "RUNNING" and all(
+            d.status == "HEALTHY" and set(d.replica_states) == {"RUNNING"} for d in status.deployments.values()
+        ):
+            break
+        assert time.monotonic() < deadline, f"app not healthy after {timeout_s}s: {status}"
+        time.sleep(0.5)
+    wait_ready(base_url, timeout_s=max(5.0, deadline - time.monotonic()))
+
+
+def _kill_replica(name: str) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def _ongoing(name: str) -> int:
+    """Requests the replica holds now (Serve's own count on the replica actor)."""
+    import ray
+
+    try:
+        return ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - a replica still starting or gone
+        return 0
+
+
+def _completion_body(max_tokens: int) -> dict:
+    # A distinct prompt each time: no prefix is shared, so placement cannot favour one
+    # replica for its cache.
+    return {
+        "model": "tiny-llama",
+        "prompt": f"load {uuid.uuid4().hex} tell me more",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+@dataclass
+class Outcome:
+    status: int
+    latency_s: float
+    body: str = ""
+    retry_after: str | None = None
+    sent_at: float = 0.0  # time.monotonic() when the request left
+
+
+@dataclass
+class SteadyLoad:
+    """``concurrency`` client threads, each sending non-streaming completions back to back
+    until stopped."""
+
+    base_url: str
+    concurrency: int = 4
+    max_tokens: int = 8
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(90, connect=10)) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    r = client.post("/v1/completions", json=_completion_body(self.max_tokens))
+                    outcome = Outcome(r.status_code, time.monotonic() - started, r.text[:300])
+                except httpx.HTTPError as e:
+                    outcome = Outcome(-1, time.monotonic() - started, repr(e))
+                self.outcomes.append(outcome)
+
+    def __enter__(self):
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(self.concurrency)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != 200]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(interval_s)
+
+
+# ---- ComputeWorker replica killed under steady load ---------------------------------
+
+
+def test_compute_replica_killed_under_load(lf_app):
+    base_url = lf_app
+    _wait_healthy(base_url)
+    before = _replica_names("ComputeWorker")
+    assert len(before) == 2, before
+
+    with SteadyLoad(base_url, concurrency=4) as load:
+        time.sleep(3)
+        served_before_kill = len(load.outcomes)
+        assert served_before_kill > 0, "no request finished before the kill"
+        # The real fault: the replica dies while it holds requests.
+        def busiest_replica():
+            name, ongoing = max(((n, _ongoing(n)) for n in before), key=lambda kv: kv[1])
+            return (name, ongoing) if ongoing > 0 else None
+
+        victim, in_flight_on_victim = _wait_for(busiest_replica, 10, "a replica holding requests", 0.01)
+        _kill_replica(victim)
+        killed_at = time.monotonic()
+
+        # A new replica: running (per serve.status) and taking requests.
+        seen: dict[str, float] = {}
+
+        def new_replica_serving():
+            names = _replica_names("ComputeWorker")
+            fresh = names - before
+            now = time.monotonic() - killed_at
+            if victim not in names:
+                seen.setdefault("victim gone", now)
+            if fresh:
+                seen.setdefault("new actor", now)
+            if victim in names or not fresh or _running_replicas("ComputeWorker") < 2:
+                return None
+            seen.setdefault("running", now)
+            return next((n for n in fresh if _ongoing(n) > 0), None)
+
+        new = _wait_for(new_replica_serving, REPLICA_BACK_WITHIN_S + 30, "a new ComputeWorker replica serving", 0.05)
+        back_after_s = time.monotonic() - killed_at
+        time.sleep(2)  # steady load on the recovered pair
+
+    total = len(load.outcomes)
+    failures = load.failures()
+    success_rate = 1 - len(failures) / total
+    print(
+        f"[compute kill] {total} requests ({served_before_kill} before the kill, "
+        f"{in_flight_on_victim} in flight on the killed replica), "
+        f"{len(failures)} failed, success {success_rate:.4%}; replacement {new.rsplit('#', 1)[-1]} "
+        f"serving {back_after_s:.1f}s after the kill ("
+        + ", ".join(f"{k} at {v:.1f}s" for k, v in seen.items())
+        + ")"
+    )
+    for f in failures[:5]:
+        print(f"  failed: {f.status} after {f.latency_s:.2f}s {f.body}")
+    assert back_after_s <= REPLICA_BACK_WITHIN_S, f"replica back only after {back_after_s:.1f}s"
+    assert success_rate >= MIN_SUCCESS_RATE, (
+        f"{len(failures)} of {total} requests failed ({success_rate:.4%} succeeded): "
+        f"{[(f.status, f.body[:120]) for f in failures[:5]]}"
+    )
+
+
+# ---- DataPlane replica killed under session traffic ---------------------------------
+
+
+def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
+    base_url = lf_app
+    _wait_healthy(base_url)
+    before = _replica_names("DataPlane")
+    assert len(before) == 2, before
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        sessions = [client.post("/v1/sessions").json()["id"] for _ in range(6)]
+    acknowledged = {sid: 0 for sid in sessions}
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def talk(sid: str) -> None:
+        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(90, connect=10)) as client:
+            while not stop.is_set():
+                n = acknowledged[sid]
+                try:
+                    r = client.post(
+                        "/v1/chat/completions",
+                        headers={"X-Session-Id": sid},
+                        json={
+                            "model": "tiny-llama",
+                            "messages": [{"role": "user", "content": f"turn {n}"}],
+                            "max_tokens": 4,
+                            "temperature": 0,
+                        },
+                    )
+                except httpx.HTTPError as e:
+                    failures.append(f"{sid} turn {n}: {e!r}")
+                    return
+                if r.status_code != 200:
+                    failures.append(f"{sid} turn {n}: {r.status_code} {r.text[:200]}")
+                    return  # the session's next turn would conflict; stop this talker
+                acknowledged[sid] = n + 1
+
+    threads = [threading.Thread(target=talk, args=(sid,), daemon=True) for sid in sessions]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        at_kill = sum(acknowledged.values())
+        # Preferably while it holds calls (session reads/appends, KV lookups and puts are
+        # short, so give it a few seconds); else the loss of an idle shard is the fault.
+        busy_until = time.monotonic() + 5
+        victim, in_flight_on_victim = min(before), 0
+        while time.monotonic() < busy_until:
+            name, ongoing = max(((n, _ongoing(n)) for n in before), key=lambda kv: kv[1])
+            if ongoing > 0:
+                victim, in_flight_on_victim = name, ongoing
+                break
+        _kill_replica(victim)
+        killed_at = time.monotonic()
+        _wait_for(
+            lambda: victim not in (names := _replica_names("DataPlane"))
+            and len(names) == 2
+            and _running_replicas("DataPlane") == 2,
+            60,
+            "a new DataPlane replica",
+        )
+        back_after_s = time.monotonic() - killed_at
+        time.sleep(2)  # traffic on the new replica set
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+    total = sum(acknowledged.values())
+    print(
+        f"[dataplane kill] {total} turns acknowledged ({at_kill} before the kill, "
+        f"{in_flight_on_victim} calls in flight on the killed replica) over "
+        f"{len(sessions)} sessions, {len(failures)} failed; new replica after {back_after_s:.1f}s"
+    )
+    assert not failures, failures[:5]
+    assert total > at_kill, "no turn was acknowledged after the kill"
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        for sid, n in acknowledged.items():
+            record = client.get(f"/v1/sessions/{sid}").json()
+            users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+            assert users == [f"turn {i}" for i in range(n)], (sid, n, users)
+            assert record["version"] == n, (sid, record["version"], n)
+
+
+# ---- overload at 4x measured capacity -------------------------------------------------
+
+
+def _replica_rss(deployments: list[str]) -> dict[int, tuple[str, int]]:
+    """pid -> (deployment, RSS bytes) of this app's replica processes (found by their
+    process title, ``ray::ServeReplica:<app>:<deployment>``)."""
+    import psutil
+
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        for d in deployments:
+            if title.startswith(f"ray::ServeReplica:{APP_NAME}:{d}"):
+                try:
+                    found[proc.pid] = (d, proc.memory_info().rss)
+                except psutil.Error:
+                    pass
+    return found
+
+
+async def _open_loop(base_url: str, rate: float, duration_s: float, max_tokens: int) -> tuple[list[Outcome], float]:
+    """Requests arriving at ``rate`` per second for ``duration_s`` whatever the answers
+    (open loop); returns the outcomes and the rate actually offered."""
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(90, connect=10), limits=limits) as client:
+
+        async def one() -> None:
+            started = time.monotonic()
+            try:
+                r = await client.post("/v1/completions", json=_completion_body(max_tokens))
+                outcomes.append(
+                    Outcome(r.status_code, time.monotonic() - started, r.text[:200], r.headers.get("retry-after"), started)
+                )
+            except httpx.HTTPError as e:
+                outcomes.append(Outcome(-1, time.monotonic() - started, repr(e), None, started))
+
+        tasks = []
+        started = time.monotonic()
+        for i in itertools.count():
+            at = started + i / rate
+            if at >= started + duration_s:
+                break
+            delay = at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        sent_for_s = time.monotonic() - started
+        await asyncio.gather(*tasks)
+    return outcomes, len(tasks) / max(sent_for_s, 1e-9)
+
+
+def _measure_capacity(base_url: str, max_tokens: int) -> tuple[float, float]:
+    """Completed requests per second with enough clients to keep every engine slot busy,
+    and the median latency of one request then."""
+    with SteadyLoad(base_url, concurrency=CAPACITY_CLIENTS, max_tokens=max_tokens) as load:
+        time.sleep(1)  # ramp up
+        first = len(load.outcomes)
+        t0 = time.monotonic()
+        time.sleep(CAPACITY_PROBE_S)
+        done = len(load.outcomes) - first
+        elapsed = time.monotonic() - t0
+    assert not load.failures(), [(f.status, f.body) for f in load.failures()[:5]]
+    return done / elapsed, _percentile([o.latency_s for o in load.outcomes], 0.5)
+
+
+def test_overload_at_4x_capacity_rejects_fast_and_stays_flat(lf_app):
+    base_url = lf_app
+    from ray import serve
+
+    _wait_healthy(base_url)
+    deployments = list(serve.status().applications[APP_NAME].deployments)
+    # Requests long enough that 4x their rate is work for the engines, not for the HTTP
+    # front (proxy, ingress, this client), which shares the same 2 cores here.
+    max_tokens = OVERLOAD_MAX_TOKENS
+    capacity, median_s = _measure_capacity(base_url, max_tokens)
+    assert capacity > 0
+    rss_before = _replica_rss(deployments)
+    assert {d for d, _ in rss_before.values()} >= {"Ingress", "ComputeWorker"}, rss_before
+
+    rate = OVERLOAD_FACTOR * capacity
+    outcomes, offered = asyncio.run(_open_loop(base_url, rate, OVERLOAD_S, max_tokens))
+    time.sleep(3)  # let the queue drain and the allocator settle
+    rss_after = _replica_rss(deployments)
+
+    accepted = [o for o in outcomes if o.status == 200]
+    rejected = [o for o in outcomes if o.status == 429]
+    other = [o for o in outcomes if o.status not in (200, 429)]
+    reject_p99 = _percentile([o.latency_s for o in rejected], 0.99)
+    accepted_p99 = _percentile([o.latency_s for o in accepted], 0.99)
+    # Bounded = no longer than the admission queue implies (Little's law): at most
+    # max_queue_depth requests are admitted, so one waits about max_queue_depth / the rate
+    # they complete at. That rate is the one measured during the overload (on these 2
+    # shared cores the engines slow down while the front answers the 429s); a queue
+    # anywhere outside the bounded one (the HTTP proxy, the ingress) breaks the bound.
+    first_sent = min(o.sent_at for o in outcomes)
+    served_for_s = max(o.sent_at + o.latency_s for o in accepted) - first_sent if accepted else 1.0
+    accepted_rate = len(accepted) / served_for_s
+    accepted_bound = 2 * MAX_QUEUE_DEPTH / accepted_rate + ACCEPTED_P99_SLACK_S
+    rss_lines = []
+    for pid, (d, before_rss) in sorted(rss_before.items(), key=lambda kv: kv[1][0]):
+        after_rss = rss_after.get(pid, (d, -1))[1]
+        rss_lines.append(f"{d}[{pid}] {before_rss / 2**20:.0f}->{after_rss / 2**20:.0f} MiB")
+    print(
+        f"[overload] capacity {capacity:.1f} req/s (median {median_s * 1000:.0f} ms at {CAPACITY_CLIENTS} clients, {max_tokens} tokens each); "
+        f"offered {offered:.1f} req/s for {OVERLOAD_S:.0f}s ({offered / capacity:.1f}x): "
+        f"{len(accepted)} accepted at {accepted_rate:.1f} req/s (p99 {accepted_p99:.2f}s, bound "
+        f"{accepted_bound:.2f}s; at capacity {2 * MAX_QUEUE_DEPTH / capacity + ACCEPTED_P99_SLACK_S:.2f}s), "
+        f"{len(rejected)} rejected with 429 (p99 {reject_p99 * 1000:.0f} ms), {len(other)} other "
+        f"{dict(Counter(o.status for o in other))}; "
+        f"RSS {', '.join(rss_lines)}"
+    )
+
+    assert offered >= 0.875 * rate, f"the client offered only {offered:.1f} of {rate:.1f} req/s"
+    assert not other, [(o.status, o.body) for o in other[:5]]
+    assert rejected, "4x capacity produced no 429: the queue bound did not act"
+    assert accepted, "nothing was served under overload"
+    assert all(o.retry_after for o in rejected), "a 429 without Retry-After"
+    assert reject_p99 < REJECT_P99_S, f"p99 of a 429 took {reject_p99:.2f}s"
+    assert accepted_p99 <= accepted_bound, f"accepted p99 {accepted_p99:.2f}s over {accepted_bound:.2f}s"
+    factor, extra = RSS_GROWTH_BOUND
+    for pid, (d, before_rss) in rss_before.items():
+        assert pid in rss_after, f"{d} process {pid} is gone after the overload"
+        after_rss = rss_after[pid][1]
+        assert after_rss <= before_rss * factor + extra, (
+            f"{d}[{pid}] RSS grew {before_rss / 2**20:.0f} -> {after_rss / 2**20:.0f} MiB"
+        )

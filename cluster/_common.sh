@@ -5,6 +5,9 @@
 # from the file RAY_AUTH_TOKEN_PATH names, or from ~/.ray/auth_token.
 
 export RAY_AUTH_MODE=token
+# Read by Serve's HTTP proxy, which Ray starts (see app/builder.py:SERVE_PROCESS_ENV): the
+# proxy streams from the ingress over Serve's gRPC transport.
+export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
 
 RAY_BIN="${RAY_BIN:-ray}"
 if ! command -v "$RAY_BIN" >/dev/null 2>&1; then

@@ -114,6 +114,14 @@ def test_rayservice_groups_provide_the_roles_its_serve_config_asks_for():
         assert asked and asked <= provided, (asked, provided)
         gpu = groups["compute"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert int(gpu["nvidia.com/gpu"]) >= 1
+        # What app/builder.py says must be where Ray starts, in every Ray container.
+        from app.builder import SERVE_PROCESS_ENV
+
+        pods = [cluster["headGroupSpec"], *groups.values()]
+        for pod in pods:
+            for container in pod["template"]["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                assert all(env.get(k) == v for k, v in SERVE_PROCESS_ENV.items()), container["name"]
 
 
 # ---- role resources in the config and the deployment options ----
@@ -200,7 +208,7 @@ def test_worker_script_needs_the_cluster_token(tmp_path):
 def test_worker_script_passes_role_and_token_mode_to_ray_start(tmp_path):
     # A stand-in `ray` that records its arguments and environment.
     fake = tmp_path / "ray"
-    fake.write_text('#!/bin/sh\necho "$RAY_AUTH_MODE $*" > "$HOME/called"\n')
+    fake.write_text('#!/bin/sh\necho "$RAY_AUTH_MODE $RAY_SERVE_PROXY_USE_GRPC $*" > "$HOME/called"\n')
     fake.chmod(0o755)
     r = _run_script(
         [str(CLUSTER / "start_worker.sh"), "data", "10.0.0.1:6379", "--num-cpus=4"],
@@ -210,5 +218,5 @@ def test_worker_script_passes_role_and_token_mode_to_ray_start(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     called = (tmp_path / "called").read_text()
-    assert called.startswith("token start --address=10.0.0.1:6379")
+    assert called.startswith("token 1 start --address=10.0.0.1:6379")
     assert '--resources={"data_node": 1}' in called and called.rstrip().endswith("--num-cpus=4")

@@ -1,14 +1,32 @@
 """Block put/get throughput of the data plane against redis-benchmark, same value size,
-same machine, one run.
+same machine; the bounds that limit it; and how long a worker waits for a prefix.
 
     python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 512]
-        [--batch 16] [--concurrency 4] [--out FILE]
+        [--batch 64] [--concurrency 4] [--rounds 3] [--warmup 1] [--no-bounds]
+        [--worker-blocks 8,32,128] [--out FILE]
 
-Ours: a DataPlane deployment (2 replicas) driven through its Serve handle, as a compute
-worker drives it (blocks travel through Ray's object store): ``put_blocks`` (into host
-memory, written behind to Redis), ``get_blocks`` from host memory (L2), and, after
-``flush_l2``, ``get_blocks`` from Redis (L3). Peer: ``redis-benchmark -t set,get -d SIZE``
-against the same redis-server with the same parallelism.
+Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
+through its Serve handle, as a compute worker drives it (blocks travel through Ray's
+object store): ``put_blocks_packed`` (into host memory, written behind to Redis),
+``get_blocks_packed`` from host memory (L2: once right after the puts, while the
+replicas write them behind to Redis, and again once that finished) and, after
+``flush_l2``, from Redis (L3).
+Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the same redis-server,
+run right after ours in each round; the ratio is taken per round (the machine's speed
+drifts by tens of percent between minutes), and the median over rounds is reported.
+
+A warm-up round (not counted) runs first: on this VM the first touch of fresh memory costs
+~3 µs per 4 KiB page, so a cold first round measures page faults; redis-benchmark, which
+SETs and GETs one key over and over, never pays them.
+
+Bounds (``--no-bounds`` skips them), same payload per call and concurrency: Ray's object
+store alone (``ray.put`` + ``ray.get`` in one process; an actor returning an array; an
+array passed to an actor), a Serve handle moving one array to and from a do-nothing
+deployment, and Redis alone through the data plane's raw client and through redis-py.
+
+Worker wait: a ``DataPlaneKVConnector`` (the worker's client) saves prefixes of N blocks
+of the ``small`` model's KV shape and loads them back, from L2 and from L3; the time of
+``load()`` is what a worker's request waits before its suffix prefill starts.
 """
 
 from __future__ import annotations
@@ -18,10 +36,15 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The small model's KV block (app/model_builder.py "small", block_size 16, fp32):
+# layers, kv, kv heads, tokens, head dim.
+SMALL_BLOCK_SHAPE = (4, 2, 8, 16, 64)
 
 
 def _say(msg: str) -> None:
@@ -40,39 +63,194 @@ def redis_benchmark(port: int, size: int, n: int, clients: int) -> dict:
     return rates
 
 
-async def run_ours(handle, blocks, hashes, batch: int, concurrency: int) -> dict:
+async def _timed(calls, concurrency: int, total_bytes: int):
+    """Run the ``calls`` (coroutine factories) with ``concurrency`` in flight: GB/s and
+    results."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(call):
+        async with sem:
+            return await call()
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(c) for c in calls))
+    return total_bytes / (time.perf_counter() - start) / 1e9, results
+
+
+async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str) -> dict:
     from deployments.dataplane.blocks import pack_blocks
 
     groups = [
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
     ]
     total = sum(len(b) for b in blocks)
-    sem = asyncio.Semaphore(concurrency)
 
-    async def each(fn):
-        async def one(g):
-            async with sem:
-                return await fn(g)
+    # The packed form is what compute workers send (one numpy array per call); packing
+    # is part of the client's cost, as in the worker's connector.
+    def put(g):
+        return lambda: handle.put_blocks_packed.remote(tenant, g[0], *pack_blocks(g[1]), shard_key=g[0][0])
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(g) for g in groups))
-        return total / (time.perf_counter() - start) / 1e9, results
+    def get(g):
+        return lambda: handle.get_blocks_packed.remote(tenant, g[0], shard_key=g[0][0])
 
-    # The packed forms are what compute workers use (one numpy array per call).
-    put_gbps, _ = await each(
-        lambda g: handle.put_blocks_packed.remote("bench", g[0], *pack_blocks(g[1]), shard_key=g[0][0])
-    )
-    get_l2_gbps, got = await each(
-        lambda g: handle.get_blocks_packed.remote("bench", g[0], shard_key=g[0][0])
-    )
+    put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total)
+    assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
+    # Right after the puts the replicas are still writing them behind to Redis, which
+    # takes CPU from the reads (2 cores); redis-benchmark's GET phase runs with no writes
+    # going on, so the compared figure is the second read, after write-behind finished.
+    get_busy_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
+    await write_behind_done(handle)
+    get_l2_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
+    assert all(r is not None for r in got), "a block went missing from L2"
+    await flush_all(handle)
+    get_l3_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
+    assert all(r is not None for r in got), "a block went missing from L3"
+    del got
+    await flush_all(handle)  # the next round starts from an empty L2
+    return {"put": put_gbps, "get_l2": get_l2_gbps, "get_l3": get_l3_gbps, "get_l2_during_write_behind": get_busy_gbps}
+
+
+async def flush_all(handle) -> None:
     for i in range(64):  # reach every replica of the ring
         await handle.flush_l2.remote(shard_key=f"flush-{i}")
-    get_l3_gbps, got = await each(
-        lambda g: handle.get_blocks_packed.remote("bench", g[0], shard_key=g[0][0])
-    )
-    assert all(r is not None for r in got), "a block went missing from L3"
-    return {"put": put_gbps, "get_l2": get_l2_gbps, "get_l3": get_l3_gbps}
+
+
+async def write_behind_done(handle, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [await handle.status.remote(shard_key=f"flush-{i}") for i in range(64)]
+        if all(s["unsynced_blocks"] == 0 for s in states):
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("write-behind did not finish")
+
+
+async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, rounds: int, redis_url: str, runtime_env: dict) -> dict:
+    """The transfer stages alone, same payload per call and concurrency (GB/s, median
+    of ``rounds``)."""
+    import numpy as np
+    import ray
+    import redis.asyncio as aioredis
+    from ray import serve
+
+    from deployments.dataplane.resp import RawBlockClient
+
+    arr = np.frombuffer(os.urandom(payload_bytes), dtype=np.uint8)
+    total = payload_bytes * calls
+    out: dict[str, list[float]] = {}
+
+    def record(name, gbps):
+        out.setdefault(name, []).append(gbps)
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def __init__(self, n):
+            self.a = np.frombuffer(os.urandom(n), dtype=np.uint8)
+
+        def get(self):
+            return self.a
+
+        def put(self, a):
+            return len(a)
+
+    @serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env})
+    class Echo:
+        def __init__(self, n):
+            self.a = np.frombuffer(os.urandom(n), dtype=np.uint8)
+
+        async def get(self):
+            return self.a
+
+        async def put(self, a):
+            return len(a)
+
+    holder = Holder.remote(payload_bytes)
+    await holder.get.remote()
+    echo = serve.run(Echo.bind(payload_bytes), name="dpbench-bounds", route_prefix=None)
+    await echo.get.remote()
+    client = aioredis.Redis.from_url(redis_url)
+    raw = RawBlockClient.from_redis(client)
+    block = 256 * 1024
+    nblocks = payload_bytes // block
+    names = [f"bounds:{i}" for i in range(nblocks * calls)]
+    value = memoryview(os.urandom(block))
+    groups = [names[i : i + nblocks] for i in range(0, len(names), nblocks)]
+    for _ in range(rounds + 1):  # the first pass warms up, not counted
+        s = time.perf_counter()
+        for _ in range(calls):
+            ray.get(ray.put(arr))
+        record("ray_put_get_one_process", total / (time.perf_counter() - s) / 1e9)
+        record("actor_to_driver", (await _timed([holder.get.remote] * calls, concurrency, total))[0])
+        record("driver_to_actor", (await _timed([lambda: holder.put.remote(arr)] * calls, concurrency, total))[0])
+        record("serve_handle_get", (await _timed([echo.get.remote] * calls, concurrency, total))[0])
+        record("serve_handle_put", (await _timed([lambda: echo.put.remote(arr)] * calls, concurrency, total))[0])
+
+        def setter(g):
+            return lambda: raw.pipeline([("SET", k, value) for k in g])
+
+        record("redis_raw_pipeline_set", (await _timed([setter(g) for g in groups], concurrency, nblocks * calls * block))[0])
+
+        def getter(g):
+            return lambda: raw.mget_packed(g)
+
+        record("redis_raw_mget", (await _timed([getter(g) for g in groups], concurrency, nblocks * calls * block))[0])
+
+        def pyget(g):
+            return lambda: client.mget(g)
+
+        record("redis_py_mget", (await _timed([pyget(g) for g in groups], concurrency, nblocks * calls * block))[0])
+    await client.delete(*names)
+    raw.close()
+    await client.aclose()
+    serve.delete("dpbench-bounds")
+    ray.kill(holder)
+    return {k: statistics.median(v[1:]) for k, v in out.items()}
+
+
+async def measure_worker_wait(handle, sizes: list[int], repeats: int = 5) -> dict:
+    """``DataPlaneKVConnector.load`` of a prefix of N small-model blocks, from L2 and from
+    L3: median milliseconds and GB/s."""
+    from deployments.dataplane.blocks import BlockHeader, encode_block
+    from deployments.dataplane.connector import DataPlaneKVConnector
+
+    nbytes = 4
+    for d in SMALL_BLOCK_SHAPE:
+        nbytes *= d
+    connector = DataPlaneKVConnector(handle, SMALL_BLOCK_SHAPE[3], timeout_s=60)
+    results = {}
+    for n in sizes:
+        hashes = [f"w{n:04d}{i:026x}" for i in range(n)]
+        blocks = [encode_block(BlockHeader("float32", SMALL_BLOCK_SHAPE), os.urandom(nbytes)) for _ in range(n)]
+        connector.save("bench-worker", hashes, blocks)
+        await connector.drain()
+        size = sum(len(b) for b in blocks)
+        times = {"L2": [], "L3": []}
+        for _ in range(repeats):
+            s = time.perf_counter()
+            got = await connector.load("bench-worker", hashes)
+            times["L2"].append(time.perf_counter() - s)
+            assert got is not None and len(got) == n, "worker load from L2 missed"
+        for _ in range(repeats):
+            await flush_all(handle)
+            s = time.perf_counter()
+            got = await connector.load("bench-worker", hashes)
+            times["L3"].append(time.perf_counter() - s)
+            assert got is not None and len(got) == n, "worker load from L3 missed"
+        del got
+        results[str(n)] = {
+            "bytes": size,
+            **{
+                f"{tier}_ms": statistics.median(t) * 1000 for tier, t in times.items()
+            },
+            **{
+                f"{tier}_gbps": size / statistics.median(t) / 1e9 for tier, t in times.items()
+            },
+        }
+        _say(f"worker wait, {n} blocks ({size / 2**20:.0f} MiB): " + ", ".join(
+            f"{tier} {statistics.median(t) * 1000:.1f} ms" for tier, t in times.items()))
+        await flush_all(handle)
+    return results
 
 
 def main(argv=None) -> int:
@@ -81,13 +259,17 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--batch", type=int, default=64, help="blocks per call (a prefix)")
     p.add_argument("--concurrency", type=int, default=4, help="calls in flight")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
+    p.add_argument("--no-bounds", action="store_true", help="skip the stage bounds")
+    p.add_argument("--worker-blocks", default="8,32,128", help="prefix sizes for the worker-wait measure ('' skips it)")
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
     args = p.parse_args(argv)
 
     import ray
     from ray import serve
 
+    from app.builder import THROUGHPUT_ENV, with_serve_runtime
     from app.config import AppConfig
     from app.local_redis import LocalRedis
     from deployments.dataplane.blocks import BlockHeader, encode_block
@@ -95,6 +277,7 @@ def main(argv=None) -> int:
 
     size = args.block_kib * 1024
     results = []
+    bounds = worker = None
     with LocalRedis() as redis:
         cfg = AppConfig.model_validate(
             {"dataplane": {"num_replicas": 2, "redis": {"url": redis.url},
@@ -102,35 +285,52 @@ def main(argv=None) -> int:
         )
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
-        handle = serve.run(
-            dataplane_deployment(cfg).bind(cfg.model_dump(mode="json")), name="dpbench", route_prefix=None
-        )
-        for rnd in range(args.rounds):
+        # As the app deploys it (build_app): Serve's throughput settings in the replicas.
+        app = with_serve_runtime(dataplane_deployment(cfg), cfg).bind(cfg.model_dump(mode="json"))
+        handle = serve.run(app, name="dpbench", route_prefix=None)
+        for rnd in range(args.warmup + args.rounds):
             payloads = [os.urandom(size - 128) for _ in range(args.num_blocks)]
             blocks = [encode_block(BlockHeader("uint8", (len(b),)), b) for b in payloads]
             hashes = [f"{rnd:02d}{i:030x}" for i in range(args.num_blocks)]
             value_size = len(blocks[0])
-            _say(f"round {rnd + 1}: data plane, {args.num_blocks} blocks of {value_size} bytes")
-            ours = asyncio.run(run_ours(handle, blocks, hashes, args.batch, args.concurrency))
-            _say(f"round {rnd + 1}: redis-benchmark, same value size")
+            warm = rnd < args.warmup
+            label = "warm-up" if warm else f"round {rnd - args.warmup + 1}"
+            _say(f"{label}: data plane, {args.num_blocks} blocks of {value_size} bytes")
+            ours = asyncio.run(run_ours(handle, blocks, hashes, args.batch, args.concurrency, f"bench{rnd}"))
+            _say(f"{label}: redis-benchmark, same value size")
             peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency)
-            results.append({"ours_gbps": ours, "redis_benchmark_gbps": peer})
+            _say(f"{label}: ours {json.dumps({k: round(v, 3) for k, v in ours.items()})} "
+                 f"redis-benchmark {json.dumps({k: round(v, 3) for k, v in peer.items()})}")
+            if not warm:
+                results.append({
+                    "ours_gbps": ours,
+                    "redis_benchmark_gbps": peer,
+                    "ratios": {
+                        "put_over_redis_set": ours["put"] / peer["set"],
+                        "get_l3_over_redis_get": ours["get_l3"] / peer["get"],
+                        "get_l2_over_redis_get": ours["get_l2"] / peer["get"],
+                        "get_l2_during_write_behind_over_redis_get": ours["get_l2_during_write_behind"] / peer["get"],
+                    },
+                })
+        if args.worker_blocks:
+            sizes = [int(x) for x in args.worker_blocks.split(",") if x]
+            worker = asyncio.run(measure_worker_wait(handle, sizes))
+        serve.delete("dpbench")
+        if not args.no_bounds:
+            _say("bounds: Ray object store, Serve handle, Redis alone")
+            bounds = asyncio.run(measure_bounds(
+                args.batch * size, max(8, args.num_blocks // args.batch), args.concurrency,
+                args.rounds, redis.url, {"env_vars": dict(THROUGHPUT_ENV)},
+            ))
         serve.shutdown()
         ray.shutdown()
 
-    def med(path):
-        vals = sorted(r[path[0]][path[1]] for r in results)
-        return vals[len(vals) // 2]
-
-    ratios = {
-        "put_over_redis_set": med(("ours_gbps", "put")) / med(("redis_benchmark_gbps", "set")),
-        "get_l3_over_redis_get": med(("ours_gbps", "get_l3")) / med(("redis_benchmark_gbps", "get")),
-        "get_l2_over_redis_get": med(("ours_gbps", "get_l2")) / med(("redis_benchmark_gbps", "get")),
-    }
-    print(json.dumps({"rounds": results, "ratios": ratios}, indent=2))
+    ratios = {k: statistics.median(r["ratios"][k] for r in results) for k in results[0]["ratios"]}
+    report = {"rounds": results, "ratios": ratios, "bounds_gbps": bounds, "worker_wait": worker}
+    print(json.dumps(report, indent=2))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rounds": results, "ratios": ratios}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), **report}, indent=2))
     return 0
 
 

@@ -41,7 +41,8 @@ class BlockHeader:
 
 
 def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
-    payload = bytes(payload)
+    """The stored bytes of one block (one copy of the payload)."""
+    payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
     meta = json.dumps(
         {
             "v": header.version,
@@ -53,7 +54,7 @@ def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    return _PREFIX.pack(MAGIC, len(meta)) + meta + payload
+    return b"".join((_PREFIX.pack(MAGIC, len(meta)), meta, payload))
 
 
 def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
@@ -87,14 +88,27 @@ def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
     return header, payload
 
 
+def check_block(data: bytes | memoryview) -> int:
+    """Raise CorruptBlockError unless ``data`` is a valid block; its payload length."""
+    _, payload = decode_block(data)
+    return len(payload)
+
+
 def pack_blocks(blocks: list[bytes | memoryview]):
     """Blocks → one contiguous uint8 array and their lengths, for crossing a Serve hop:
     Ray moves one large numpy array through its object store many times faster than a
     list of bytes objects (measured: ~1.5 vs ~0.3 GB/s for a 32 MiB prefix), and the
-    receiver reads it without a copy."""
+    receiver reads it without a copy.
+
+    Blocks that already lie back to back in one buffer (the views the data plane keeps
+    of one transfer, in order) are returned as a view of that buffer, without a copy;
+    anything else is copied once into a new array."""
     import numpy as np
 
     lengths = [len(b) for b in blocks]
+    joined = _contiguous(blocks)
+    if joined is not None:
+        return joined, lengths
     data = np.empty(sum(lengths), dtype=np.uint8)
     offset = 0
     for block, n in zip(blocks, lengths):
@@ -103,11 +117,38 @@ def pack_blocks(blocks: list[bytes | memoryview]):
     return data, lengths
 
 
-def unpack_blocks(data, lengths: list[int]) -> list[memoryview]:
-    """Views of the blocks of :func:`pack_blocks` (no copy)."""
+def _contiguous(blocks):
+    """A uint8 array viewing ``blocks`` if they are memoryviews lying back to back in
+    one buffer, else None."""
+    import numpy as np
+
+    if not blocks or not all(isinstance(b, memoryview) for b in blocks):
+        return None
+    base = blocks[0].obj
+    if any(b.obj is not base for b in blocks):
+        return None
+    first = np.frombuffer(blocks[0], dtype=np.uint8)
+    start = first.__array_interface__["data"][0]
+    end = start
+    for b in blocks:
+        a = np.frombuffer(b, dtype=np.uint8)
+        if a.__array_interface__["data"][0] != end:
+            return None
+        end += len(a)
+    whole = np.frombuffer(base, dtype=np.uint8)
+    offset = start - whole.__array_interface__["data"][0]
+    return whole[offset : offset + end - start]
+
+
+def unpack_blocks(data, lengths) -> list[memoryview]:
+    """Views of the blocks of :func:`pack_blocks` (no copy). ``lengths``: a sequence of
+    non-negative ints that add up to the size of ``data``."""
     view = memoryview(data).cast("B")
     out, offset = [], 0
     for n in lengths:
+        n = int(n)
+        if n < 0:
+            raise CorruptBlockError(f"negative block length {n}")
         out.append(view[offset : offset + n])
         offset += n
     if offset != len(view):

@@ -29,12 +29,16 @@ import time
 from collections import OrderedDict, defaultdict
 from typing import Callable, Iterable, Optional, Sequence
 
+import numpy as np
+
+from opentelemetry import trace
+
 from app import telemetry
 from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
-from deployments.dataplane.blocks import CorruptBlockError, decode_block, pack_blocks, unpack_blocks
+from deployments.dataplane.blocks import CorruptBlockError, check_block, pack_blocks, unpack_blocks
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.tiers import Evicted, MemoryTier
 from deployments.dataplane.types import SessionRecord, new_session_id
@@ -75,6 +79,15 @@ class _Metrics:
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
         self.prefetch_used = m.Counter("llm_dataplane_prefetch_used_blocks", "Prefetched blocks later read by a worker.")
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
+        self.transfer_seconds = m.Histogram(
+            "llm_dataplane_block_transfer_seconds",
+            "Time a block get or put spends in the data plane (Redis included, Serve hop not), by op and tier.",
+            boundaries=telemetry.LATENCY_BUCKETS_S,
+            tag_keys=("op", "tier"),
+        )
+        self.l2_compactions = m.Counter(
+            "llm_dataplane_l2_compactions", "Shared L2 buffers copied out because most of their blocks were gone."
+        )
 
     def inc(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
         if self.enabled and value:
@@ -83,6 +96,10 @@ class _Metrics:
     def set(self, name: str, value: float) -> None:
         if self.enabled:
             getattr(self, name).set(value)
+
+    def observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
+        if self.enabled:
+            getattr(self, name).observe(value, tags=tags)
 
 
 class DataPlane:
@@ -112,6 +129,7 @@ class DataPlane:
         self._degraded = False
         self._degraded_since: Optional[float] = None
         self._m = _Metrics(enable_metrics)
+        self._tracer = telemetry.tracer(__name__)
         self._counts: dict[str, int] = defaultdict(int)
         # L2 keys brought up by prefetch() and not yet read (bounded by L2's own size:
         # entries of evicted keys are dropped on eviction).
@@ -278,6 +296,9 @@ class DataPlane:
 
     async def _handle_evicted(self, evicted: list[Evicted]) -> None:
         """Hand dirty evictions to Redis before they are gone; count the rest."""
+        if self._l2.num_compactions != self._counts["l2_compactions"]:
+            self._m.inc("l2_compactions", self._l2.num_compactions - self._counts["l2_compactions"])
+            self._counts["l2_compactions"] = self._l2.num_compactions
         if not evicted:
             return
         self._prefetched.difference_update(e.key for e in evicted)
@@ -311,15 +332,38 @@ class DataPlane:
         *,
         shard_key: Optional[str] = None,
     ) -> int:
-        """Store encoded blocks in L2 (written behind to Redis). Returns how many."""
+        """Store encoded blocks in L2 (written behind to Redis). Returns how many: each
+        block is checked (header, checksum) on its way in, and a corrupt one is left out
+        and counted (``corrupt_blocks``, metric tier ``put``)."""
         await self.start()
         if len(hashes) != len(blocks):
             raise InvalidRequestError(
                 f"{len(hashes)} hashes but {len(blocks)} blocks", param="blocks"
             )
-        for h, b in zip(hashes, blocks):
-            await self._put_l2(keys.block_key(tenant, h), b, dirty=True)
+        return await self._store_blocks(tenant, hashes, list(blocks), session_id, shard_key)
+
+    async def _store_blocks(
+        self,
+        tenant: str,
+        hashes: list[str],
+        blocks: list,
+        session_id: Optional[str],
+        shard_key: Optional[str],
+    ) -> int:
+        # Every block is checked once, here or when read from Redis: L2 holds only
+        # checked blocks, so L2 reads do not check again (the worker checks on decode).
+        started = time.perf_counter()
         nbytes = sum(len(b) for b in blocks)
+        with self._tracer.start_as_current_span(
+            "dataplane.put_blocks", attributes={"llm.kv.blocks": len(hashes), "llm.kv.bytes": nbytes}
+        ):
+            stored = 0
+            for h, b in zip(hashes, blocks):
+                if not self._verify(b, "put"):
+                    continue
+                await self._put_l2(keys.block_key(tenant, h), b, dirty=True)
+                stored += 1
+        self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "put", "tier": TIER_L2})
         self._counts["bytes_in"] += nbytes
         self._m.inc("bytes_in", nbytes)
         self._m.set("l2_used", self._l2.used_bytes)
@@ -335,7 +379,7 @@ class DataPlane:
                 )
             except RedisUnavailable:
                 self._pending_session_blocks[(tenant, session_id)].update(members)
-        return len(hashes)
+        return stored
 
     async def lookup_prefix(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
@@ -371,9 +415,9 @@ class DataPlane:
             self._m.inc("misses")
         return hit
 
-    def _verify(self, data: bytes, tier: str) -> bool:
+    def _verify(self, data, tier: str) -> bool:
         try:
-            decode_block(data)
+            check_block(data)
             return True
         except CorruptBlockError as e:
             self._counts["corrupt_blocks"] += 1
@@ -381,15 +425,25 @@ class DataPlane:
             logger.warning("DataPlane: corrupt KV block in %s treated as a miss: %s", tier, e)
             return False
 
-    async def get_blocks(
-        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
-    ) -> Optional[list[bytes]]:
-        """Every block of ``hashes`` in order (L2, else L3, promoting into L2), or None if
-        any is missing or corrupt (a corrupt block is deleted where it was found)."""
+    async def _read_blocks(self, tenant: str, hashes: list[str]) -> Optional[list]:
+        """Every block of ``hashes`` in order (L2, else L3 in one MGET, promoting into
+        L2), or None if any is missing or corrupt (a corrupt block is deleted from
+        Redis). Values are ``bytes`` or read-only memoryviews; blocks read from Redis
+        together are views into the one buffer the socket was read into."""
         await self.start()
-        out: list[Optional[bytes]] = [None] * len(hashes)
-        for i, h in enumerate(hashes):
-            key = keys.block_key(tenant, h)
+        started = time.perf_counter()
+        with self._tracer.start_as_current_span(
+            "dataplane.get_blocks", attributes={"llm.kv.blocks": len(hashes)}
+        ) as span:
+            out, tier = await self._read_blocks_traced(tenant, hashes)
+            span.set_attribute("llm.kv.tier", tier)
+        self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "get", "tier": tier})
+        return out
+
+    async def _read_blocks_traced(self, tenant: str, hashes: list[str]) -> tuple[Optional[list], str]:
+        l2_keys = [keys.block_key(tenant, h) for h in hashes]
+        out: list = [None] * len(hashes)
+        for i, key in enumerate(l2_keys):
             data = self._l2.get(key)
             if data is None:
                 continue
@@ -398,34 +452,32 @@ class DataPlane:
                 self._prefetched.discard(key)
                 self._counts["prefetch_used"] += 1
                 self._m.inc("prefetch_used")
-            if not self._verify(data, TIER_L2):
-                self._l2.delete(key)
-                return None
             out[i] = data
         missing = [i for i, d in enumerate(out) if d is None]
         n_l2 = len(hashes) - len(missing)
         if missing:
             try:
-                fetched = await self._redis(self._store.get_blocks, tenant, [hashes[i] for i in missing])
+                _, fetched = await self._redis(
+                    self._store.get_blocks_packed, tenant, [hashes[i] for i in missing]
+                )
             except RedisUnavailable:
                 fetched = [None] * len(missing)
             for i, data in zip(missing, fetched):
                 if data is None:
                     self._counts["get_misses"] += 1
                     self._m.inc("misses")
-                    return None
+                    return None, TIER_NONE
                 if not self._verify(data, TIER_L3):
                     try:
                         await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
                     except RedisUnavailable:
                         pass
-                    return None
+                    return None, TIER_NONE
                 out[i] = data
             for i in missing:
-                await self._put_l2(keys.block_key(tenant, hashes[i]), out[i], dirty=False)
-        blocks = [d for d in out if d is not None]
+                await self._put_l2(l2_keys[i], out[i], dirty=False)
         l3_bytes = sum(len(out[i]) for i in missing)
-        l2_bytes = sum(len(b) for b in blocks) - l3_bytes
+        l2_bytes = sum(len(b) for b in out) - l3_bytes
         self._counts["bytes_out"] += l2_bytes + l3_bytes
         self._m.inc("bytes_out", l2_bytes, tags={"tier": TIER_L2})
         self._m.inc("bytes_out", l3_bytes, tags={"tier": TIER_L3})
@@ -433,14 +485,28 @@ class DataPlane:
         self._m.inc("hits", len(missing), tags={"tier": TIER_L3})
         self._counts["get_hits_L2"] += n_l2
         self._counts["get_hits_L3"] += len(missing)
-        return blocks
+        span = trace.get_current_span()
+        span.set_attribute("llm.kv.bytes", l2_bytes + l3_bytes)
+        span.set_attribute("llm.kv.l3_blocks", len(missing))
+        return out, TIER_L3 if missing else TIER_L2
+
+    async def get_blocks(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> Optional[list[bytes]]:
+        """Every block of ``hashes`` in order as ``bytes`` (L2, else L3, promoting into
+        L2), or None if any is missing or corrupt (a corrupt block is deleted where it
+        was found). Workers use :meth:`get_blocks_packed`."""
+        blocks = await self._read_blocks(tenant, hashes)
+        return None if blocks is None else [b if isinstance(b, bytes) else bytes(b) for b in blocks]
 
     async def get_blocks_packed(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
     ):
         """:meth:`get_blocks` as ``(uint8 array, lengths)`` (see ``blocks.pack_blocks``):
-        the form compute workers use, one object-store transfer per prefix."""
-        blocks = await self.get_blocks(tenant, hashes, shard_key=shard_key)
+        the form compute workers use, one object-store transfer per prefix. Blocks that
+        lie back to back in one buffer (read from Redis together, or put together) go
+        out as a view of it, with no copy here; Ray copies them once into its store."""
+        blocks = await self._read_blocks(tenant, hashes)
         return None if blocks is None else pack_blocks(blocks)
 
     async def put_blocks_packed(
@@ -454,9 +520,20 @@ class DataPlane:
         shard_key: Optional[str] = None,
     ) -> int:
         """:meth:`put_blocks` of blocks packed by ``blocks.pack_blocks``."""
-        # bytes(): L2 keeps its own copy; the array is a read-only view of the object store.
-        blocks = [bytes(b) for b in unpack_blocks(data, lengths)]
-        return await self.put_blocks(tenant, hashes, blocks, session_id, shard_key=shard_key)
+        await self.start()
+        if len(hashes) != len(lengths):
+            raise InvalidRequestError(
+                f"{len(hashes)} hashes but {len(lengths)} lengths", param="lengths"
+            )
+        try:
+            # One copy of the whole array (``data`` is a read-only view of Ray's object
+            # store): a large numpy allocation gets transparent huge pages, so this costs
+            # a fraction of one ``bytes`` per block. L2 keeps read-only views into it.
+            owned = np.frombuffer(data, dtype=np.uint8).copy()
+            blocks = unpack_blocks(memoryview(owned).toreadonly(), lengths)
+        except (CorruptBlockError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"packed blocks do not match their lengths: {e}", param="lengths") from None
+        return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key)
 
     async def prefetch(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
@@ -757,6 +834,7 @@ class DataPlane:
             "l2_num_blocks": len(self._l2),
             "l2_dirty_blocks": len(self._l2.dirty),
             "l2_evictions": self._l2.num_evictions,
+            "l2_held_bytes": self._l2.held_bytes,
             "sessions_in_memory": len(self._sessions),
         }
 

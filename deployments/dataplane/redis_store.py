@@ -29,6 +29,7 @@ from redis.retry import Retry
 
 from app.config import RedisConfig
 from deployments.dataplane import keys
+from deployments.dataplane.resp import RawBlockClient
 from deployments.dataplane.types import SessionRecord
 
 # A payload outlives its index entry by this much, so an index entry that a reader sees
@@ -168,8 +169,11 @@ def _record_from(session_id: str, fields: dict) -> SessionRecord:
 class RedisStore:
     """KV blocks and session records in Redis. Construct with :meth:`from_config`."""
 
-    def __init__(self, client: aioredis.Redis, *, kv_ttl_s: int, clock=time.time):
+    def __init__(self, client: aioredis.Redis, *, kv_ttl_s: int, clock=time.time, raw_blocks: bool = True):
         self._r = client
+        # KV block payloads go through a copy-free RESP client where it can serve (plain
+        # TCP); sessions, scripts and everything small stay on redis-py.
+        self._raw = RawBlockClient.from_redis(client) if raw_blocks else None
         self._kv_ttl_s = kv_ttl_s
         self._clock = clock
         self._append = client.register_script(_APPEND)
@@ -199,6 +203,8 @@ class RedisStore:
         return self._r
 
     async def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
         await self._r.aclose()
 
     @_unavailable
@@ -216,15 +222,26 @@ class RedisStore:
         self,
         tenant: str,
         hashes: Sequence[str],
-        blocks: Sequence[bytes],
+        blocks: Sequence[bytes | memoryview],
         ttl_s: Optional[int] = None,
     ) -> None:
         ttl = ttl_s or self._kv_ttl_s
+        if len(hashes) != len(blocks):
+            raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
+        # Payload FIRST, then the index entry that marks it present: a reader that sees
+        # the index (lookup/has_blocks) must find the payload. Both clients send the
+        # commands in order on one connection, so the order holds.
+        if self._raw is not None:
+            commands = []
+            for h, data in zip(hashes, blocks):
+                commands.append(("SET", keys.block_key(tenant, h), data, "EX", ttl + PAYLOAD_TTL_MARGIN_S))
+                commands.append(("SET", keys.block_index_key(tenant, h), len(data), "EX", ttl))
+            for reply in await self._raw.pipeline(commands):
+                if isinstance(reply, Exception):
+                    raise reply
+            return
         pipe = self._r.pipeline(transaction=False)
-        for h, data in zip(hashes, blocks, strict=True):
-            # Payload FIRST, then the index entry that marks it present: a reader that
-            # sees the index (lookup/has_blocks) must find the payload. A pipeline runs
-            # its commands in order on one connection, so the order holds.
+        for h, data in zip(hashes, blocks):
             pipe.set(keys.block_key(tenant, h), data, ex=ttl + PAYLOAD_TTL_MARGIN_S)
             pipe.set(keys.block_index_key(tenant, h), len(data), ex=ttl)
         await pipe.execute()
@@ -238,6 +255,33 @@ class RedisStore:
         if not hashes:
             return []
         return await self._r.mget([keys.block_key(tenant, h) for h in hashes])
+
+    @_unavailable
+    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str]):
+        """One MGET: ``(uint8 array of the present payloads back to back, read-only
+        memoryview of each payload or None where absent)``. With the raw client the
+        payloads are read from the socket straight into the array."""
+        import numpy as np
+
+        if not hashes:
+            return np.empty(0, np.uint8), []
+        names = [keys.block_key(tenant, h) for h in hashes]
+        if self._raw is not None:
+            data, lengths = await self._raw.mget_packed(names)
+        else:
+            values = await self._r.mget(names)
+            present = [v for v in values if v is not None]
+            data = np.frombuffer(b"".join(present), dtype=np.uint8)
+            lengths = [None if v is None else len(v) for v in values]
+        view = memoryview(data).toreadonly()
+        out, offset = [], 0
+        for n in lengths:
+            if n is None:
+                out.append(None)
+                continue
+            out.append(view[offset : offset + n])
+            offset += n
+        return data, out
 
     @_unavailable
     async def block_sizes(self, tenant: str, hashes: Sequence[str]) -> list[Optional[int]]:

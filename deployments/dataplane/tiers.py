@@ -10,6 +10,14 @@ Write-behind: entries put with ``dirty=True`` are not yet in L3 (Redis). The tie
 drops a dirty entry silently: every eviction is returned to the caller as an
 :class:`Evicted` with its value and dirty flag, so the caller can write it to L3 first.
 Pinned entries are never evicted (a caller pins what it is in the middle of using).
+
+Values are stored as given, without a copy: ``bytes``, or read-only ``memoryview`` slices
+of one larger buffer (the data plane keeps the blocks of one transfer as views into the
+one array that carried them, which saves a copy per block). A buffer stays alive while
+any of its views is stored, so the tier tracks each shared buffer's live bytes, and when
+they fall below half of the buffer it copies the remaining views out (``bytes``) and lets
+the buffer go: memory held is at most twice ``used_bytes``, and each byte is copied this
+way at most once.
 """
 
 from __future__ import annotations
@@ -32,10 +40,24 @@ class Evicted:
 
 @dataclass(slots=True)
 class _Entry:
-    value: bytes
+    value: bytes | memoryview
     freq: int
     last_use: int
     pinned: bool
+
+
+@dataclass(slots=True)
+class _Shared:
+    """A buffer that several stored memoryviews point into."""
+
+    obj: object
+    size: int
+    live: int
+    keys: set[str]
+
+
+def _shared_base(value) -> Optional[object]:
+    return value.obj if isinstance(value, memoryview) else None
 
 
 class MemoryTier:
@@ -68,7 +90,9 @@ class MemoryTier:
         self._tick = itertools.count()
         self._used = 0
         self._dirty: set[str] = set()
+        self._shared: dict[int, _Shared] = {}  # id(buffer) -> its views in this tier
         self.num_evictions = 0
+        self.num_compactions = 0
 
     # -- reads ---------------------------------------------------------------------
 
@@ -111,10 +135,17 @@ class MemoryTier:
     def dirty_items(self) -> list[tuple[str, bytes]]:
         return [(k, self._entries[k].value) for k in self._dirty]
 
+    @property
+    def held_bytes(self) -> int:
+        """Memory the stored values keep alive: ``used_bytes`` plus the dead parts of
+        shared buffers (at most ``used_bytes`` again)."""
+        shared_live = sum(s.live for s in self._shared.values())
+        return self._used - shared_live + sum(s.size for s in self._shared.values())
+
     # -- writes --------------------------------------------------------------------
 
     def put(
-        self, key: str, value: bytes, *, dirty: bool = False, pinned: bool = False
+        self, key: str, value: bytes | memoryview, *, dirty: bool = False, pinned: bool = False
     ) -> list[Evicted]:
         """Insert or replace ``key``; returns what had to be evicted to make room.
 
@@ -122,8 +153,13 @@ class MemoryTier:
         replacement that is clean does not clear a pending dirty flag: the older write
         still has to reach L3 unless the caller says otherwise via :meth:`mark_clean`.
         A value larger than the whole tier is not stored; it comes back as evicted.
+        ``value`` is kept as it is (``bytes`` or a read-only memoryview; anything else is
+        copied into ``bytes``).
         """
-        value = bytes(value)
+        if not isinstance(value, (bytes, memoryview)) or (
+            isinstance(value, memoryview) and not value.readonly
+        ):
+            value = bytes(value)
         old = self._entries.get(key)
         if len(value) > self._high_bytes:
             # Cannot fit even alone: hand it straight back, and drop any older copy.
@@ -136,12 +172,14 @@ class MemoryTier:
             return evicted
         if old is not None:
             self._used -= len(old.value)
-            old.value = value
+            old_value, old.value = old.value, value
+            self._release(key, old_value)
             old.pinned = pinned or old.pinned
             self._touch(key, old)
         else:
             self._entries[key] = _Entry(value, 1, next(self._tick), pinned)
         self._used += len(value)
+        self._hold(key, value)
         if dirty:
             self._dirty.add(key)
         return self._evict_if_needed()
@@ -175,6 +213,7 @@ class MemoryTier:
         out = [Evicted(k, e.value, k in self._dirty) for k, e in self._entries.items()]
         self._entries.clear()
         self._dirty.clear()
+        self._shared.clear()
         self._used = 0
         return out
 
@@ -189,6 +228,37 @@ class MemoryTier:
         entry = self._entries.pop(key)
         self._used -= len(entry.value)
         self._dirty.discard(key)
+        self._release(key, entry.value)
+
+    def _hold(self, key: str, value) -> None:
+        base = _shared_base(value)
+        if base is None:
+            return
+        shared = self._shared.get(id(base))
+        if shared is None:
+            shared = self._shared[id(base)] = _Shared(base, memoryview(base).nbytes, 0, set())
+        shared.live += len(value)
+        shared.keys.add(key)
+
+    def _release(self, key: str, value) -> None:
+        """``key`` no longer holds ``value``; compact the buffer it pointed into if that
+        buffer is now mostly dead."""
+        base = _shared_base(value)
+        if base is None:
+            return
+        shared = self._shared.get(id(base))
+        if shared is None or key not in shared.keys:
+            return
+        shared.keys.discard(key)
+        shared.live -= len(value)
+        if not shared.keys:
+            del self._shared[id(base)]
+        elif 2 * shared.live < shared.size:
+            del self._shared[id(base)]
+            self.num_compactions += 1
+            for k in shared.keys:
+                entry = self._entries[k]
+                entry.value = bytes(entry.value)  # a dirty write in flight stays dirty
 
     def _victims(self) -> Iterable[str]:
         if self.policy == "lru":

@@ -175,3 +175,42 @@ def test_tier_bandwidth_is_bytes_over_seconds_of_the_averages():
     # The average of the two rates would be ~0.42 GB/s; this is ~0.67 GB/s.
     assert conn.bandwidth_bytes_per_s(TIER_L2) > 0.6e9
     assert conn.bandwidth_bytes_per_s(TIER_L3) is None
+
+
+def test_pack_of_back_to_back_views_is_a_view_not_a_copy():
+    import numpy as np
+
+    from deployments.dataplane.blocks import pack_blocks, unpack_blocks
+
+    buffer = np.arange(100, dtype=np.uint8)
+    views = unpack_blocks(memoryview(buffer).toreadonly(), [10, 30, 60])
+    data, lengths = pack_blocks(views[1:])
+    assert np.shares_memory(data, buffer) and lengths == [30, 60]
+    assert bytes(data) == bytes(buffer[10:])
+    # Out of order, or from two buffers: copied into a new array.
+    data, _ = pack_blocks([views[2], views[0]])
+    assert not np.shares_memory(data, buffer)
+    assert bytes(data) == bytes(buffer[40:]) + bytes(buffer[:10])
+    other = memoryview(np.arange(5, dtype=np.uint8)).toreadonly()
+    data, _ = pack_blocks([views[0], other])
+    assert not np.shares_memory(data, buffer) and bytes(data) == bytes(buffer[:10]) + bytes(range(5))
+
+
+def test_unpack_rejects_negative_lengths():
+    from deployments.dataplane.blocks import unpack_blocks
+
+    with pytest.raises(CorruptBlockError):
+        unpack_blocks(b"abcdef", [8, -2])
+
+
+def test_encode_block_accepts_views_and_checks_them():
+    from deployments.dataplane.blocks import check_block
+
+    payload = bytes(range(256)) * 4
+    from_view = encode_block(BlockHeader("uint8", (1024,)), memoryview(payload)[:])
+    assert from_view == encode_block(BlockHeader("uint8", (1024,)), payload)
+    assert check_block(memoryview(from_view)) == 1024
+    damaged = bytearray(from_view)
+    damaged[-1] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        check_block(damaged)

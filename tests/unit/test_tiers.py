@@ -148,3 +148,72 @@ def test_delete_clears_dirty():
 def test_bad_arguments_are_rejected(kwargs):
     with pytest.raises(ValueError):
         MemoryTier(**kwargs)
+
+
+# ---------------------------------------------------------------- shared buffers
+
+
+def views_of(buffer: bytes, size: int) -> list[memoryview]:
+    mv = memoryview(buffer)
+    return [mv[i : i + size] for i in range(0, len(buffer), size)]
+
+
+def test_read_only_views_are_stored_without_a_copy_and_held_memory_is_counted():
+    t = make_tier(capacity=1000)
+    buffer = bytes(range(40))
+    views = views_of(buffer, 10)
+    for i, v in enumerate(views):
+        t.put(f"k{i}", v)
+    assert t.get("k2") is views[2]  # the very view: no copy
+    assert t.used_bytes == 40 and t.held_bytes == 40
+    t.delete("k0")  # 30 of 40 bytes live: the buffer stays shared
+    assert t.used_bytes == 30 and t.held_bytes == 40 and t.num_compactions == 0
+    assert t.get("k1") is views[1]
+
+
+def test_mostly_dead_buffer_is_copied_out_once():
+    t = make_tier(capacity=1000)
+    buffer = bytes(range(40))
+    for i, v in enumerate(views_of(buffer, 10)):
+        t.put(f"k{i}", v, dirty=(i == 3))
+    t.delete("k0")
+    t.delete("k1")  # 20 of 40 live: not below half yet
+    assert t.num_compactions == 0
+    t.delete("k2")  # 10 of 40 live: the last view is copied out, the buffer let go
+    assert t.num_compactions == 1
+    value = t.get("k3")
+    assert type(value) is bytes and value == buffer[30:40]
+    assert t.held_bytes == t.used_bytes == 10
+    assert t.dirty == frozenset({"k3"})  # still to be written behind
+
+
+def test_eviction_releases_shared_buffers():
+    t = make_tier(capacity=100, high=0.8, low=0.5)
+    first = views_of(bytes(40), 10)
+    for i, v in enumerate(first):
+        t.put(f"a{i}", v)
+    for i, v in enumerate(views_of(bytes(range(50)), 10)):
+        t.put(f"b{i}", v)  # 90 > 80: evict the a-views (LRU) down to <= 50
+    assert t.used_bytes == 50 and t.keys() == [f"b{i}" for i in range(5)]
+    assert t.held_bytes == 50  # nothing of the first buffer is held
+
+
+def test_writable_buffers_are_copied():
+    t = make_tier()
+    data = bytearray(b"abc")
+    t.put("a", data)
+    t.put("b", memoryview(data))
+    data[0] = ord("X")
+    assert t.get("a") == b"abc" and t.get("b") == b"abc"
+    assert type(t.get("a")) is bytes and type(t.get("b")) is bytes
+
+
+def test_replacing_a_view_releases_it():
+    t = make_tier(capacity=1000)
+    views = views_of(bytes(20), 10)
+    t.put("a", views[0])
+    t.put("b", views[1])
+    t.put("a", b"new value!")  # a's view is released: 10 of 20 live, not below half
+    assert t.num_compactions == 0 and t.held_bytes == 30
+    t.put("b", b"other one!")  # the buffer has no view left
+    assert t.held_bytes == t.used_bytes == 20

@@ -1,0 +1,218 @@
+"""The data plane's bulk block I/O against a real redis-server, without Ray: the raw RESP
+client (``deployments/dataplane/resp.py``), the Redis store's block paths on top of it
+(restart, outage), and the DataPlane's packed put/get (checks on the way in, views kept
+in L2, zero-copy packing)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from app.config import AppConfig
+from app.errors import InvalidRequestError
+from app.local_redis import LocalRedis
+from deployments.dataplane import keys
+from deployments.dataplane.blocks import BlockHeader, encode_block, pack_blocks
+from deployments.dataplane.deployment import DataPlane
+from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
+from deployments.dataplane.resp import RawBlockClient
+
+pytestmark = pytest.mark.integration
+
+
+def raw_client(url: str, **kwargs) -> tuple[aioredis.Redis, RawBlockClient]:
+    client = aioredis.Redis.from_url(url, **kwargs)
+    raw = RawBlockClient.from_redis(client)
+    assert raw is not None
+    return client, raw
+
+
+def block(nbytes: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    return encode_block(BlockHeader("uint8", (nbytes,)), rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+
+
+async def test_mget_packed_matches_redis_py(redis_server):
+    client, raw = raw_client(redis_server.url)
+    try:
+        values = {
+            "io:a": os.urandom(1 << 20),  # larger than any socket read
+            "io:b": b"",
+            "io:c": b"x\r\n$-1\r\n*3\r\n",  # RESP-looking bytes inside a value
+            "io:d": os.urandom(70_001),
+        }
+        await client.mset(values)
+        names = ["io:a", "io:missing", "io:b", "io:c", "io:d", "io:a"]
+        data, lengths = await raw.mget_packed(names)
+        expected = await client.mget(names)
+        assert lengths == [None if v is None else len(v) for v in expected]
+        assert data.dtype == np.uint8
+        assert bytes(data) == b"".join(v for v in expected if v is not None)
+        # Many calls at once share the pool and stay in step.
+        results = await asyncio.gather(*(raw.mget_packed(["io:d", "io:c"]) for _ in range(20)))
+        assert all(bytes(d) == values["io:d"] + values["io:c"] for d, _ in results)
+        empty, no_lengths = await raw.mget_packed([])
+        assert len(empty) == 0 and no_lengths == []
+    finally:
+        raw.close()
+        await client.aclose()
+
+
+async def test_pipeline_sends_views_and_returns_error_replies_in_place(redis_server):
+    client, raw = raw_client(redis_server.url)
+    try:
+        big = np.frombuffer(os.urandom(300_000), dtype=np.uint8)
+        view = memoryview(big)[1000:250_000]
+        replies = await raw.pipeline([
+            ("SET", "io:view", view, "EX", 60),
+            ("SET", "io:text", "not a number"),
+            ("INCR", "io:text"),
+            ("GET", "io:text"),
+        ])
+        assert replies[0] == b"OK" and replies[1] == b"OK"
+        assert isinstance(replies[2], rexc.ResponseError)
+        assert replies[3] == b"not a number"
+        assert await client.get("io:view") == bytes(view)
+        assert 0 < await client.ttl("io:view") <= 60
+        # The connection that carried the error reply stays in step.
+        await client.sadd("io:set", "m")
+        data, lengths = await raw.mget_packed(["io:set", "io:view"])  # nil for a non-string
+        assert lengths == [None, len(view)] and bytes(data) == bytes(view)
+    finally:
+        raw.close()
+        await client.aclose()
+
+
+async def test_password_and_database_are_used():
+    with LocalRedis(extra_args=("--requirepass", "s3cret")) as server:
+        client, raw = raw_client(server.url.replace("/0", "/3"), password="s3cret")
+        try:
+            await raw.pipeline([("SET", "io:k", b"v" * 5000)])
+            assert await client.get("io:k") == b"v" * 5000  # db 3, as the client
+            assert await client.execute_command("DBSIZE") == 1
+            data, lengths = await raw.mget_packed(["io:k"])
+            assert bytes(data) == b"v" * 5000
+        finally:
+            raw.close()
+            await client.aclose()
+        bad_client, bad = raw_client(server.url, password="wrong")
+        try:
+            with pytest.raises(rexc.AuthenticationError):
+                await bad.mget_packed(["io:k"])
+        finally:
+            bad.close()
+            await bad_client.aclose()
+
+
+async def test_tls_and_unix_urls_fall_back_to_redis_py():
+    assert RawBlockClient.from_redis(aioredis.Redis.from_url("rediss://127.0.0.1:1/0")) is None
+    assert RawBlockClient.from_redis(aioredis.Redis.from_url("unix:///tmp/nothing.sock")) is None
+
+
+async def test_a_silent_server_times_out():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    raw = RawBlockClient("127.0.0.1", port, socket_timeout=0.3, connect_timeout=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(rexc.TimeoutError):
+            await raw.mget_packed(["k"])
+        assert time.monotonic() - started < 2
+    finally:
+        raw.close()
+        listener.close()
+
+
+async def test_store_survives_a_restart_and_reports_an_outage():
+    with LocalRedis() as server:
+        client = aioredis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+        store = RedisStore(client, kv_ttl_s=600)
+        try:
+            blocks = [block(5000, i) for i in range(3)]
+            await store.put_blocks("t", ["h0", "h1", "h2"], [memoryview(b) for b in blocks])
+            # Payload and index entry for each block (the index holds the length).
+            assert await client.get(keys.block_key("t", "h1")) == blocks[1]
+            assert int(await client.get(keys.block_index_key("t", "h1"))) == len(blocks[1])
+            server.restart()  # every pooled connection is now dead
+            data, views = await store.get_blocks_packed("t", ["h0", "h1", "h2", "nope"])
+            assert [bytes(v) for v in views[:3]] == blocks and views[3] is None
+            assert all(v.readonly for v in views[:3])
+            server.stop()
+            with pytest.raises(RedisUnavailable):
+                await store.get_blocks_packed("t", ["h0"])
+            with pytest.raises(RedisUnavailable):
+                await store.put_blocks("t", ["h3"], [blocks[0]])
+            server.start()
+            data, views = await store.get_blocks_packed("t", ["h2"])
+            assert bytes(data) == blocks[2]
+        finally:
+            await store.close()
+
+
+def dataplane(url: str) -> DataPlane:
+    config = AppConfig.model_validate({
+        "dataplane": {
+            "num_replicas": 1,
+            "l2_capacity_bytes": 1 << 24,
+            "sync_interval_ms": 60_000,  # write-behind only when the test flushes
+            "redis": {"url": url, "password_env": None},
+        }
+    })
+    return DataPlane(config.model_dump(mode="json"), enable_metrics=False)
+
+
+async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis_server):
+    dp = dataplane(redis_server.url)
+    try:
+        hashes = [f"io{i:04d}" for i in range(6)]
+        blocks = [block(20_000, i) for i in range(6)]
+        damaged = bytearray(blocks[4])
+        damaged[-1] ^= 0xFF
+        data, lengths = pack_blocks(blocks[:4] + [bytes(damaged)] + blocks[5:])
+        assert await dp.put_blocks_packed("io", hashes, data, lengths) == 5
+        stats = await dp.stats()
+        assert stats["corrupt_blocks"] == 1 and stats["l2_num_blocks"] == 5
+        assert await dp.get_blocks_packed("io", hashes) is None  # block 4 was left out
+        assert (await dp.lookup_prefix("io", hashes)).num_blocks == 4
+
+        # L2: the blocks of one put come back as a view of the array L2 keeps (no copy).
+        first, lengths = await dp.get_blocks_packed("io", hashes[:4])
+        again, _ = await dp.get_blocks_packed("io", hashes[:4])
+        assert lengths == [len(b) for b in blocks[:4]] and bytes(first) == b"".join(blocks[:4])
+        assert np.shares_memory(first, again)
+
+        # L3: flushed, then read in one MGET straight into one array, which L2 keeps.
+        assert (await dp.flush_l2())["written"] == 5
+        from_l3, _ = await dp.get_blocks_packed("io", hashes[:4])
+        assert bytes(from_l3) == b"".join(blocks[:4])
+        from_l2, _ = await dp.get_blocks_packed("io", hashes[:4])
+        assert np.shares_memory(from_l3, from_l2)
+        assert (await dp.stats())["get_hits_L3"] == 4
+        # The list form hands out bytes.
+        assert await dp.get_blocks("io", hashes[:2]) == blocks[:2]
+    finally:
+        await dp.shutdown()
+
+
+async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
+    dp = dataplane(redis_server.url)
+    try:
+        data, lengths = pack_blocks([block(100, 1), block(100, 2)])
+        with pytest.raises(InvalidRequestError):
+            await dp.put_blocks_packed("io", ["a", "b"], data, [lengths[0], lengths[1] - 1])
+        with pytest.raises(InvalidRequestError):
+            await dp.put_blocks_packed("io", ["a"], data, lengths)
+        with pytest.raises(InvalidRequestError):
+            await dp.put_blocks_packed("io", ["a", "b"], data, [lengths[0] + lengths[1] + 1, -1])
+        assert (await dp.stats())["l2_num_blocks"] == 0
+    finally:
+        await dp.shutdown()

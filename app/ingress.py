@@ -119,6 +119,7 @@ class _Call:
         self.turn: Optional[PendingTurn] = None
         # A session turn's generated token ids, stored with the reply (see sessions.py).
         self.output_ids: Optional[list[int]] = None
+        self.streamed = True
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
@@ -340,7 +341,9 @@ class Ingress:
         self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=tags)
         if call.num_output_tokens:
             self._m.output_tokens.inc(call.num_output_tokens, tags=tags)
-        if call.first_token_at is not None:
+        # Only a streamed request has a first token the client sees (a buffered one gets
+        # its deltas from the router at the end).
+        if call.first_token_at is not None and call.streamed:
             self._m.ttft.observe(call.first_token_at - call.started, tags=tags)
             if call.num_output_tokens > 1:
                 self._m.tpot.observe(
@@ -372,11 +375,15 @@ class Ingress:
                 else:
                     prompt_ids = self._completion_prompt_ids(req)
                 gen_request = self._generation_request(req, prompt_ids)
+                # A non-streaming client sees nothing before the end, so the router may
+                # run it again if its worker dies mid-way (see Router._stream_with_retry).
+                gen_request.buffered = not req.stream
                 if turn is not None:
                     gen_request.session_id = turn.session_id
                     span.set_attribute("llm.session_id", turn.session_id)
                 call = _Call(endpoint, gen_request.request_id, len(prompt_ids))
                 call.turn = turn
+                call.streamed = bool(req.stream)
                 if turn is not None:
                     call.output_ids = []
                 span.set_attribute("llm.request_id", call.request_id)

@@ -226,22 +226,31 @@ class Router:
         self, request: GenerationRequest, batch_key: str, deadline: float
     ) -> AsyncIterator[TokenDelta]:
         """The worker's deltas; one more try, on any replica, if the worker or its engine
-        died before the first delta. Never after it: the client already has tokens."""
+        died before the client got a token: before the first delta, or at any point for a
+        ``buffered`` request, whose deltas are held here until the worker's stream ended
+        (the client of a non-streaming request sees nothing before the end anyway). Never
+        once a streaming client has tokens."""
         retried = False
         while True:
             stream = self._worker.generate.remote(request, batch_key=batch_key)
-            got_delta = ended = False
+            client_has_tokens = ended = False
+            held: list[TokenDelta] = []
             try:
                 async for delta in stream:
-                    got_delta = True
-                    yield delta
+                    if request.buffered:
+                        held.append(delta)
+                    else:
+                        client_has_tokens = True
+                        yield delta
                 ended = True
                 report_outcome(request.request_id, True)  # for the replica's circuit breaker
+                for delta in held:
+                    yield delta
                 return
             except Exception as e:
                 ended = True
                 report_outcome(request.request_id, classify_outcome(e))
-                if got_delta or retried or not is_retryable_death(e):
+                if client_has_tokens or retried or not is_retryable_death(e):
                     raise
                 error = e
             finally:
@@ -251,10 +260,12 @@ class Router:
             retried = True
             self._m_retries.inc(tags={"error": type(error).__name__})
             logger.warning(
-                "request %s: worker died before the first token (%s: %s); retrying once",
+                "request %s: worker died before the client got a token (%s: %s; %d deltas "
+                "held back); retrying once",
                 request.request_id,
                 type(error).__name__,
                 str(error).splitlines()[0][:200] if str(error) else "",
+                len(held),
             )
             try:
                 await self._await_ready_worker(deadline)

@@ -284,7 +284,11 @@ def test_dropped_stream_aborts_generation_and_service_stays_healthy(served_app):
 
 
 def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app):
-    served_app.client().completions.create(model=served_app.model_id, prompt="metrics", max_tokens=4)
+    # Streamed: time to first token is recorded for requests whose client sees a first token.
+    for _ in served_app.client().completions.create(
+        model=served_app.model_id, prompt="metrics", max_tokens=4, stream=True
+    ):
+        pass
     wanted = [
         "ray_llm_requests_total",
         "ray_llm_ttft_seconds_bucket",

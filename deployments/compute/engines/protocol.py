@@ -50,6 +50,10 @@ class GenerationRequest:
     # Whose request: KV blocks are keyed per tenant, so tenants never share cache.
     tenant: str = "default"
     session_id: Optional[str] = None
+    # The client gets nothing before the whole reply (a non-streaming request): the router
+    # holds the deltas back and may run the request again even after a worker that died
+    # had produced tokens.
+    buffered: bool = False
 
 
 @dataclass(slots=True)

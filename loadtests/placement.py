@@ -59,20 +59,22 @@ def app_args(model_path: Path, redis_url: str, policy: str, args) -> dict:
     }
 
 
-def replica_stats() -> dict[str, dict]:
-    """Routing stats (with the KV counters) of every ComputeWorker replica, by actor name."""
+def replica_stats(app: str = APP) -> dict[str, dict]:
+    """Routing stats (with the KV counters) of every live ComputeWorker replica of the
+    Serve application ``app``, by actor name."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{APP}#ComputeWorker#"
+    prefix = f"SERVE_REPLICA::{app}#ComputeWorker#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     refs = {n: ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names}
     return {n: ray.get(ref, timeout=60) for n, ref in refs.items()}
 
 
-def wait_for_replicas(n: int, timeout_s: float = 300) -> dict[str, dict]:
+def wait_for_replicas(n: int, timeout_s: float = 300, app: str = APP) -> dict[str, dict]:
+    """The stats of ``app``'s ComputeWorker replicas once there are ``n``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = replica_stats()
+        stats = replica_stats(app)
         if len(stats) == n:
             return stats
         if time.monotonic() > deadline:

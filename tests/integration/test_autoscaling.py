@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, wait_ready
+from tests.fixtures.serve_app import app_args, deployed_app
 
 pytestmark = pytest.mark.integration
 
@@ -68,18 +68,9 @@ def _autoscale_args(redis_url: str) -> dict:
 
 @pytest.fixture
 def autoscale_app(ray_cluster, redis_server, http_port):
-    from ray import serve
-
-    from app.builder import build_app
-
     args = _autoscale_args(redis_server.url)
-    base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
-    try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
-        wait_ready(base_url, timeout_s=240)
+    with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield base_url
-    finally:
-        serve.delete(APP_NAME)
 
 
 def _replica_states() -> dict[str, int]:

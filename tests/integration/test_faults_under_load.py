@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, wait_ready
+from tests.fixtures.serve_app import app_args, deployed_app, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -59,10 +59,6 @@ RSS_GROWTH_BOUND = (1.25, 64 << 20)  # factor, plus bytes
 
 @pytest.fixture(scope="module")
 def lf_app(ray_cluster, redis_server, http_port):
-    from ray import serve
-
-    from app.builder import build_app
-
     args = app_args(
         get_model_path("tiny"),
         redis_server.url,
@@ -72,13 +68,8 @@ def lf_app(ray_cluster, redis_server, http_port):
         limits={"request_timeout_s": 60},
         dataplane={"num_replicas": 2},
     )
-    base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
-    try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
-        wait_ready(base_url, timeout_s=240)
+    with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield base_url
-    finally:
-        serve.delete(APP_NAME)
 
 
 # ---- helpers ------------------------------------------------------------------------

@@ -15,8 +15,9 @@ import time
 import httpx
 import pytest
 
+from loadtests import placement as placement_bench
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, wait_ready
+from tests.fixtures.serve_app import app_args, deployed_app
 
 pytestmark = pytest.mark.integration
 
@@ -29,42 +30,22 @@ NUM_TURNS = 4
 
 @pytest.fixture(scope="module")
 def placement_app(ray_cluster, redis_server, http_port):
-    from ray import serve
-
-    from app.builder import build_app
-
     args = app_args(
         get_model_path("tiny"),
         redis_server.url,
         compute={"num_replicas": 2, "num_cpus": 0.5},
         limits={"request_timeout_s": TIMEOUT_S},
     )
-    base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
-    try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
-        wait_ready(base_url, timeout_s=240)
+    with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield base_url
-    finally:
-        serve.delete(APP_NAME)
 
 
 def replica_stats() -> dict[str, dict]:
-    """Routing stats of every live ComputeWorker replica of the app, by actor name."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{APP_NAME}#ComputeWorker#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    refs = {n: ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names}
-    return {n: ray.get(ref, timeout=30) for n, ref in refs.items()}
+    return placement_bench.replica_stats(APP_NAME)
 
 
-def wait_for_replicas(n: int, timeout_s: float = 60) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = replica_stats()
-        if len(stats) == n or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.5)
+def wait_for_replicas(n: int) -> dict[str, dict]:
+    return placement_bench.wait_for_replicas(n, timeout_s=60, app=APP_NAME)
 
 
 def chat_turn(client: httpx.Client, session_id: str, text: str) -> None:

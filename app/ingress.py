@@ -368,6 +368,7 @@ class Ingress:
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
             call = None
             try:
+                self._router.reject_if_full()
                 req = self._validate(schema, await self._read_json(request))
                 turn = None
                 if isinstance(req, ChatCompletionRequest):

@@ -274,17 +274,27 @@ class Router:
             # A fresh placement: the batch's affinity may still point at the dead replica.
             batch_key = f"{batch_key}-retry"
 
+    def _queue_full(self) -> RateLimitError:
+        self._m_rejected.inc()
+        retry_after = str(self._config.router.retry_after_s)
+        return RateLimitError(
+            f"The router queue is full ({self._admission.max_depth} requests); "
+            f"retry after {retry_after}s.",
+            code="queue_full",
+            headers={"Retry-After": retry_after},
+        )
+
+    def reject_if_full(self) -> None:
+        """429 at once when the queue is full: the ingress asks before it reads, parses and
+        tokenises a body, so under overload a rejection costs almost no CPU (which the
+        requests being served need). ``generate`` still admits atomically."""
+        if self._admission.depth >= self._admission.max_depth:
+            raise self._queue_full()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         deadline = time.monotonic() + self._config.limits.request_timeout_s
         if not self._admission.try_acquire():
-            self._m_rejected.inc()
-            retry_after = str(self._config.router.retry_after_s)
-            raise RateLimitError(
-                f"The router queue is full ({self._admission.max_depth} requests); "
-                f"retry after {retry_after}s.",
-                code="queue_full",
-                headers={"Retry-After": retry_after},
-            )
+            raise self._queue_full()
         self._m_queue_depth.set(self._admission.depth)
         ctx = telemetry.extract_context(request.trace_headers)
         item = None

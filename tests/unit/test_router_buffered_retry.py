@@ -104,3 +104,20 @@ async def test_streaming_request_that_already_has_tokens_is_not_retried():
     assert worker.calls == 1
     assert got == ["dead ", "dead "]
     assert router.queue_depth() == 0
+
+
+@pytest.mark.asyncio
+async def test_reject_if_full_answers_429_before_any_work_and_only_when_full():
+    from app.errors import RateLimitError, to_api_error
+
+    router = Router(_Worker(), {"router": {"max_queue_depth": 1}, "dataplane": {"enabled": False}})
+    router.reject_if_full()  # empty: passes
+    stream = router.generate(_request(buffered=False))
+    first = await stream.__anext__()  # admitted: the queue now holds 1 of 1
+    assert first.text
+    with pytest.raises(RateLimitError) as info:
+        router.reject_if_full()
+    err = to_api_error(info.value)
+    assert err.status_code == 429 and err.headers["Retry-After"] == "1"
+    await stream.aclose()
+    router.reject_if_full()  # released: passes again

@@ -52,7 +52,12 @@ def _agent_urls() -> list[str]:
     return urls
 
 
-async def collect_cluster_metrics(timeout_s: float = 5.0) -> str:
+# A node's agent renders every Ray metric of the node (MBs with many replicas); on a busy
+# node that took longer than 5 s, and /metrics came back without the agent's samples.
+AGENT_TIMEOUT_S = 20.0
+
+
+async def collect_cluster_metrics(timeout_s: float = AGENT_TIMEOUT_S) -> str:
     urls = await asyncio.to_thread(_agent_urls)
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         results = await asyncio.gather(*(client.get(u) for u in urls), return_exceptions=True)

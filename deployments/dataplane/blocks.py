@@ -117,6 +117,18 @@ def pack_blocks(blocks: list[bytes | memoryview]):
     return data, lengths
 
 
+def block_arrays(blocks: list[bytes | memoryview]):
+    """Blocks as uint8 arrays viewing them (no copy), and their lengths: the form to
+    *send* several blocks through Ray. Ray's serializer copies each array straight into
+    its object store, so the sender skips the packing copy of :func:`pack_blocks`
+    (measured through a Serve handle, 64 x 256 KiB per call: 1.6 vs 1.0 GB/s). A list
+    of ``bytes`` is the slow form: Ray pickles bytes in-band."""
+    import numpy as np
+
+    arrays = [np.frombuffer(b, dtype=np.uint8) for b in blocks]
+    return arrays, [len(a) for a in arrays]
+
+
 def _contiguous(blocks):
     """A uint8 array viewing ``blocks`` if they are memoryviews lying back to back in
     one buffer, else None."""

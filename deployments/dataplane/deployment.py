@@ -519,17 +519,27 @@ class DataPlane:
         *,
         shard_key: Optional[str] = None,
     ) -> int:
-        """:meth:`put_blocks` of blocks packed by ``blocks.pack_blocks``."""
+        """:meth:`put_blocks` of blocks sent as one uint8 array (``blocks.pack_blocks``)
+        or as a list of uint8 arrays (``blocks.block_arrays``: the sender skips the
+        packing copy, Ray's serializer copies each block straight into its object
+        store); ``lengths`` gives each block's size."""
         await self.start()
         if len(hashes) != len(lengths):
             raise InvalidRequestError(
                 f"{len(hashes)} hashes but {len(lengths)} lengths", param="lengths"
             )
         try:
-            # One copy of the whole array (``data`` is a read-only view of Ray's object
-            # store): a large numpy allocation gets transparent huge pages, so this costs
-            # a fraction of one ``bytes`` per block. L2 keeps read-only views into it.
-            owned = np.frombuffer(data, dtype=np.uint8).copy()
+            # One copy of everything into one array this replica owns (``data`` is a
+            # read-only view of Ray's object store): a large numpy allocation gets
+            # transparent huge pages, so this costs a fraction of one ``bytes`` per
+            # block. L2 keeps read-only views into it.
+            if isinstance(data, (list, tuple)):
+                arrays = [np.frombuffer(a, dtype=np.uint8) for a in data]
+                if [len(a) for a in arrays] != [int(n) for n in lengths]:
+                    raise ValueError("the arrays' sizes are not the lengths given")
+                owned = np.concatenate(arrays) if arrays else np.empty(0, np.uint8)
+            else:
+                owned = np.frombuffer(data, dtype=np.uint8).copy()
             blocks = unpack_blocks(memoryview(owned).toreadonly(), lengths)
         except (CorruptBlockError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"packed blocks do not match their lengths: {e}", param="lengths") from None

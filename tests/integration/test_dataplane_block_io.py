@@ -19,7 +19,7 @@ from app.config import AppConfig
 from app.errors import InvalidRequestError
 from app.local_redis import LocalRedis
 from deployments.dataplane import keys
-from deployments.dataplane.blocks import BlockHeader, encode_block, pack_blocks
+from deployments.dataplane.blocks import BlockHeader, block_arrays, encode_block, pack_blocks
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
@@ -199,6 +199,20 @@ async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis
         assert (await dp.stats())["get_hits_L3"] == 4
         # The list form hands out bytes.
         assert await dp.get_blocks("io", hashes[:2]) == blocks[:2]
+    finally:
+        await dp.shutdown()
+
+
+async def test_put_of_a_list_of_block_arrays(redis_server):
+    dp = dataplane(redis_server.url)
+    try:
+        blocks = [block(3000, i) for i in range(3)]
+        arrays, lengths = block_arrays(blocks)
+        assert await dp.put_blocks_packed("io", ["la", "lb", "lc"], arrays, lengths) == 3
+        data, got = await dp.get_blocks_packed("io", ["la", "lb", "lc"])
+        assert bytes(data) == b"".join(blocks) and got == lengths
+        with pytest.raises(InvalidRequestError):
+            await dp.put_blocks_packed("io", ["la", "lb", "lc"], arrays, [lengths[0], lengths[1], 5])
     finally:
         await dp.shutdown()
 

@@ -214,3 +214,15 @@ def test_encode_block_accepts_views_and_checks_them():
     damaged[-1] ^= 1
     with pytest.raises(CorruptBlockError, match="checksum"):
         check_block(damaged)
+
+
+def test_block_arrays_view_the_blocks_without_a_copy():
+    import numpy as np
+
+    from deployments.dataplane.blocks import block_arrays
+
+    blocks = [b"abc", memoryview(b"0123456789")[2:6], b""]
+    arrays, lengths = block_arrays(blocks)
+    assert lengths == [3, 4, 0] and [bytes(a) for a in arrays] == [b"abc", b"2345", b""]
+    assert all(a.dtype == np.uint8 for a in arrays)
+    assert np.shares_memory(arrays[0], np.frombuffer(blocks[0], dtype=np.uint8))

@@ -18,14 +18,14 @@ logger = logging.getLogger("ray.serve")
 
 # Ray Serve's own throughput settings (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on inside
 # a replica): user code and the handle's request router on the replica's main event loop
-# instead of hand-offs to a thread and a second loop for every message, and request-path
-# logs written in batches. Read by each replica process at import time, so they travel in
+# instead of hand-offs to a thread and a second loop for every message. (Not its buffered
+# request-path logs: a replica that dies or is stopped lost its last log lines with them.)
+# Read by each replica process at import time, so they travel in
 # the replica's runtime_env. Streams between replicas also go by value over Serve's gRPC
 # transport: that is set on the handles themselves (``_by_reference=False``).
 THROUGHPUT_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
 }
 
 

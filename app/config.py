@@ -447,8 +447,8 @@ class ServeRuntimeConfig(_Strict):
     throughput_optimized: bool = Field(
         default=True,
         description="Run every replica of the app with Ray Serve's throughput settings "
-        "(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, "
-        "buffered request-path logs): fewer thread and loop hand-offs per streamed message. "
+        "(RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0"
+        "): fewer thread and loop hand-offs per streamed message. "
         "Variables set in the application's own runtime_env win.",
     )
 

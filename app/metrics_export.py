@@ -67,4 +67,8 @@ async def collect_cluster_metrics(timeout_s: float = AGENT_TIMEOUT_S) -> str:
             logger.warning("metrics agent %s did not answer: %s", url, res)
             continue
         texts.append(res.text)
-    return merge_exposition(texts)
+    try:
+        return merge_exposition(texts)
+    except Exception:  # noqa: BLE001 - a scrape must not fail because one family does not parse
+        logger.warning("metrics: merging the agents' exports failed; returning them as they are", exc_info=True)
+        return "\n".join(texts)

@@ -300,8 +300,8 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     deadline = time.monotonic() + 90  # exports every second; a loaded node answers slowly
     missing = wanted
     while time.monotonic() < deadline and missing:
-        text = httpx.get(served_app.base_url + "/metrics", timeout=60).text
-        missing = [m for m in wanted if m not in text]
+        r = httpx.get(served_app.base_url + "/metrics", timeout=60)
+        missing = [m for m in wanted if m not in r.text]
         time.sleep(1)
-    assert not missing, missing
+    assert not missing, (missing, r.status_code, len(r.text), r.text[:300])
     assert 'status="200"' in text

@@ -22,7 +22,9 @@ SETs and GETs one key over and over, never pays them.
 Bounds (``--no-bounds`` skips them), same payload per call and concurrency: Ray's object
 store alone (``ray.put`` + ``ray.get`` in one process; an actor returning an array; an
 array passed to an actor), a Serve handle moving one array to and from a do-nothing
-deployment, and Redis alone through the data plane's raw client and through redis-py.
+deployment, Redis alone through the data plane's raw client and through redis-py, and
+the data plane's put into L2 with write-behind off (what the put costs without the
+Redis writes that, on 2 cores, compete with it).
 
 Worker wait: a ``DataPlaneKVConnector`` (the worker's client) saves prefixes of N blocks
 of the ``small`` model's KV shape and loads them back, from L2 and from L3; the time of
@@ -126,9 +128,10 @@ async def write_behind_done(handle, timeout_s: float = 120) -> None:
     raise TimeoutError("write-behind did not finish")
 
 
-async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, rounds: int, redis_url: str, runtime_env: dict) -> dict:
+async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, rounds: int, redis_url: str, runtime_env: dict, quiet_dataplane=None) -> dict:
     """The transfer stages alone, same payload per call and concurrency (GB/s, median
-    of ``rounds``)."""
+    of ``rounds``). ``quiet_dataplane``: a DataPlane handle whose write-behind is off,
+    for the put into L2 alone."""
     import numpy as np
     import ray
     import redis.asyncio as aioredis
@@ -185,6 +188,16 @@ async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, round
         record("driver_to_actor", (await _timed([lambda: holder.put.remote(arr)] * calls, concurrency, total))[0])
         record("serve_handle_get", (await _timed([echo.get.remote] * calls, concurrency, total))[0])
         record("serve_handle_put", (await _timed([lambda: echo.put.remote(arr)] * calls, concurrency, total))[0])
+        if quiet_dataplane is not None:
+            from deployments.dataplane.blocks import BlockHeader, block_arrays, encode_block
+
+            qblocks = [encode_block(BlockHeader("uint8", (block - 128,)), os.urandom(block - 128)) for _ in range(nblocks)]
+
+            def quiet_put(i, blocks=qblocks):
+                hashes = [f"q{len(out.get('dataplane_put_no_write_behind', []))}-{i}-{j}" for j in range(nblocks)]
+                return lambda: quiet_dataplane.put_blocks_packed.remote("quiet", hashes, *block_arrays(blocks), shard_key=hashes[0])
+
+            record("dataplane_put_no_write_behind", (await _timed([quiet_put(i) for i in range(calls)], concurrency, total))[0])
 
         def setter(g):
             return lambda: raw.pipeline([("SET", k, value) for k in g])
@@ -317,11 +330,18 @@ def main(argv=None) -> int:
             worker = asyncio.run(measure_worker_wait(handle, sizes))
         serve.delete("dpbench")
         if not args.no_bounds:
-            _say("bounds: Ray object store, Serve handle, Redis alone")
+            _say("bounds: Ray object store, Serve handle, Redis alone, put with no write-behind")
+            quiet_cfg = cfg.model_copy(update={"dataplane": cfg.dataplane.model_copy(update={
+                "sync_interval_ms": 600_000, "l2_capacity_bytes": 1 << 33})})
+            quiet = serve.run(
+                with_serve_runtime(dataplane_deployment(quiet_cfg), quiet_cfg).bind(quiet_cfg.model_dump(mode="json")),
+                name="dpbench-quiet", route_prefix=None,
+            )
             bounds = asyncio.run(measure_bounds(
                 args.batch * size, max(8, args.num_blocks // args.batch), args.concurrency,
-                args.rounds, redis.url, {"env_vars": dict(THROUGHPUT_ENV)},
+                args.rounds, redis.url, {"env_vars": dict(THROUGHPUT_ENV)}, quiet,
             ))
+            serve.delete("dpbench-quiet")
         serve.shutdown()
         ray.shutdown()
 

@@ -619,7 +619,15 @@ class IngressDeployment(Ingress):
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
-        text = await collect_cluster_metrics()
+        try:
+            text = await collect_cluster_metrics()
+        except Exception as e:  # noqa: BLE001 - a scrape gets a clear 503, never a 500
+            logger.exception("metrics: collecting the nodes' exports failed")
+            return JSONResponse(
+                {"error": {"message": f"metrics unavailable: {type(e).__name__}: {e}"[:500],
+                           "type": "service_unavailable", "param": None, "code": "metrics_unavailable"}},
+                status_code=503,
+            )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

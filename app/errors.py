@@ -100,6 +100,17 @@ def _causes(exc: BaseException):
         exc = getattr(exc, "cause", None) or exc.__cause__
 
 
+def replica_death_types() -> tuple[type, ...]:
+    """Ray's errors for a call whose replica died or could not be reached, or a deployment
+    with no replica to take it: the same call may be made again on another replica."""
+    try:
+        import ray.exceptions as rex
+        from ray.serve.exceptions import DeploymentUnavailableError
+    except ImportError:  # pragma: no cover - Ray is always there when a handle is
+        return ()
+    return (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, DeploymentUnavailableError)
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception to the APIError a client should see (no traceback leaks)."""
     # Imported here: engines and Ray are optional for callers of this module.

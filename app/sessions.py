@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from app.config import SessionConfig
-from app.errors import ConflictError, InvalidRequestError, NotFoundError, _causes
+from app.errors import ConflictError, InvalidRequestError, NotFoundError, _causes, replica_death_types
 
 logger = logging.getLogger("ray.serve")
 
@@ -147,12 +147,7 @@ def fit_history(
 def replica_died(exc: BaseException) -> bool:
     """Whether ``exc`` (or a cause Ray wrapped it in) says the replica that took the call
     died or could not be reached, so the call may be made again on another one."""
-    try:
-        import ray.exceptions as rex
-        from ray.serve.exceptions import DeploymentUnavailableError
-    except ImportError:  # pragma: no cover - Ray is always there when a handle is
-        return False
-    types = (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, DeploymentUnavailableError)
+    types = replica_death_types()
     return any(isinstance(cause, types) for cause in _causes(exc))
 
 

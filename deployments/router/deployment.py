@@ -31,7 +31,7 @@ from ray.util import metrics
 
 from app import telemetry
 from app.config import AppConfig
-from app.errors import GatewayTimeoutError, RateLimitError, _causes
+from app.errors import GatewayTimeoutError, RateLimitError, _causes, replica_death_types
 from app.telemetry import LATENCY_BUCKETS_S
 from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
@@ -58,19 +58,7 @@ class Admission:
         self.depth -= 1
 
 
-def _death_types() -> tuple[type, ...]:
-    types: tuple[type, ...] = (EngineDeadError,)
-    try:
-        import ray.exceptions as rex
-        from ray.serve.exceptions import DeploymentUnavailableError
-
-        types += (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, DeploymentUnavailableError)
-    except ImportError:  # pragma: no cover
-        pass
-    return types
-
-
-_DEATH_TYPES = _death_types()
+_DEATH_TYPES = (EngineDeadError, *replica_death_types())
 
 
 def is_retryable_death(exc: BaseException) -> bool:

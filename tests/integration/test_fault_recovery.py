@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import ENGINE_ARGS, app_args, vllm_importable, wait_ready
+from tests.fixtures.serve_app import ENGINE_ARGS, app_args, vllm_importable, wait_for, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -130,16 +130,6 @@ def _worker_replicas() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
 
 
-def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(interval_s)
-
-
 def _retries_counted(base_url: str) -> float:
     text = httpx.get(base_url + "/metrics", timeout=10).text
     total = 0.0
@@ -162,7 +152,7 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
     with ThreadPoolExecutor(NUM_QUEUED + NUM_DURING_OUTAGE) as pool:
         queued = [pool.submit(_complete, base_url) for _ in range(NUM_QUEUED)]
         # They sit behind the long stream in the engine (max_num_seqs=1), with no token.
-        _wait_for(
+        wait_for(
             lambda: worker.stats.remote().result(timeout_s=5).num_waiting >= NUM_QUEUED,
             30,
             "the short requests to queue in the engine",
@@ -200,7 +190,7 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
           f"(budget {budget_s:.0f}s)")
 
     # Serve replaced the replica (the old one is gone, a new one serves).
-    after = _wait_for(
+    after = wait_for(
         lambda: (lambda now: now if now and not (now & before) else None)(_worker_replicas()),
         30,
         "Serve to replace the worker replica",
@@ -213,4 +203,4 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
     assert status == 200, body
 
     # Each retry was counted (the metric reaches /metrics within a few report intervals).
-    assert _wait_for(lambda: _retries_counted(base_url) >= 1, 30, "llm_router_retries in /metrics")
+    assert wait_for(lambda: _retries_counted(base_url) >= 1, 30, "llm_router_retries in /metrics")

@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, deployed_app, wait_ready
+from tests.fixtures.serve_app import app_args, deployed_app, wait_for, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -187,16 +187,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(interval_s)
-
-
 # ---- ComputeWorker replica killed under steady load ---------------------------------
 
 
@@ -215,7 +205,7 @@ def test_compute_replica_killed_under_load(lf_app):
             name, ongoing = max(((n, _ongoing(n)) for n in before), key=lambda kv: kv[1])
             return (name, ongoing) if ongoing > 0 else None
 
-        victim, in_flight_on_victim = _wait_for(busiest_replica, 10, "a replica holding requests", 0.01)
+        victim, in_flight_on_victim = wait_for(busiest_replica, 10, "a replica holding requests", 0.01)
         _kill_replica(victim)
         killed_at = time.monotonic()
 
@@ -235,7 +225,7 @@ def test_compute_replica_killed_under_load(lf_app):
             seen.setdefault("running", now)
             return next((n for n in fresh if _ongoing(n) > 0), None)
 
-        new = _wait_for(new_replica_serving, REPLICA_BACK_WITHIN_S + 30, "a new ComputeWorker replica serving", 0.05)
+        new = wait_for(new_replica_serving, REPLICA_BACK_WITHIN_S + 30, "a new ComputeWorker replica serving", 0.05)
         back_after_s = time.monotonic() - killed_at
         time.sleep(2)  # steady load on the recovered pair
 
@@ -313,12 +303,13 @@ def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
                 break
         _kill_replica(victim)
         killed_at = time.monotonic()
-        _wait_for(
+        wait_for(
             lambda: victim not in (names := _replica_names("DataPlane"))
             and len(names) == 2
             and _running_replicas("DataPlane") == 2,
             60,
             "a new DataPlane replica",
+            0.25,
         )
         back_after_s = time.monotonic() - killed_at
         time.sleep(2)  # traffic on the new replica set

@@ -35,7 +35,17 @@ THROUGHPUT_ENV = {
 # cluster/rayservice.yaml export it. The proxy then streams from the ingress by value over
 # Serve's gRPC transport instead of Ray actor calls (ingress CPU per token measured 0.32 →
 # 0.20 cores at concurrency 8). Without it everything works, a little slower.
-SERVE_PROCESS_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+#
+# That transport caps one message at 4 MiB by default (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH,
+# read by the proxy for what it receives and by each replica for what it receives). A whole
+# response is one message: GET /metrics of a cluster that has run many replicas passed 4 MiB
+# and the proxy answered a bare 500. The cap is raised to gRPC's largest (2 GiB - 1, what
+# Serve's own gRPC ingress uses), above any body `limits.max_request_body_bytes` admits.
+GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1
+SERVE_PROCESS_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES),
+}
 
 
 def use_serve_process_env() -> None:

@@ -6,8 +6,10 @@
 
 export RAY_AUTH_MODE=token
 # Read by Serve's HTTP proxy, which Ray starts (see app/builder.py:SERVE_PROCESS_ENV): the
-# proxy streams from the ingress over Serve's gRPC transport.
+# proxy streams from the ingress over Serve's gRPC transport, whose message cap is raised from
+# 4 MiB (a larger response, e.g. /metrics of a big cluster, was a bare 500).
 export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
+export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-2147483647}"
 
 RAY_BIN="${RAY_BIN:-ray}"
 if ! command -v "$RAY_BIN" >/dev/null 2>&1; then

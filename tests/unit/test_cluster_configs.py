@@ -208,7 +208,10 @@ def test_worker_script_needs_the_cluster_token(tmp_path):
 def test_worker_script_passes_role_and_token_mode_to_ray_start(tmp_path):
     # A stand-in `ray` that records its arguments and environment.
     fake = tmp_path / "ray"
-    fake.write_text('#!/bin/sh\necho "$RAY_AUTH_MODE $RAY_SERVE_PROXY_USE_GRPC $*" > "$HOME/called"\n')
+    fake.write_text(
+        '#!/bin/sh\necho "$RAY_AUTH_MODE $RAY_SERVE_PROXY_USE_GRPC $RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH $*"'
+        ' > "$HOME/called"\n'
+    )
     fake.chmod(0o755)
     r = _run_script(
         [str(CLUSTER / "start_worker.sh"), "data", "10.0.0.1:6379", "--num-cpus=4"],
@@ -218,5 +221,7 @@ def test_worker_script_passes_role_and_token_mode_to_ray_start(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     called = (tmp_path / "called").read_text()
-    assert called.startswith("token 1 start --address=10.0.0.1:6379")
+    from app.builder import GRPC_MAX_MESSAGE_BYTES
+
+    assert called.startswith(f"token 1 {GRPC_MAX_MESSAGE_BYTES} start --address=10.0.0.1:6379")
     assert '--resources={"data_node": 1}' in called and called.rstrip().endswith("--num-cpus=4")

@@ -116,6 +116,18 @@ def test_unexpected_error_hides_details():
     assert "secret" not in err.message
 
 
+def test_serve_transport_cap_admits_the_largest_body_the_config_allows():
+    # Serve's proxy hands whole messages to the ingress over gRPC; a body the config admits
+    # but the transport refuses would be a bare 500 instead of the request's answer.
+    from app.builder import GRPC_MAX_MESSAGE_BYTES, SERVE_PROCESS_ENV
+    from app.config import LimitsConfig
+
+    largest_body = LimitsConfig.model_fields["max_request_body_bytes"].metadata
+    le = next(m.le for m in largest_body if hasattr(m, "le"))
+    assert int(SERVE_PROCESS_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) == GRPC_MAX_MESSAGE_BYTES
+    assert GRPC_MAX_MESSAGE_BYTES > le + 64 * 1024
+
+
 def test_merge_exposition_groups_families_across_nodes():
     a = "# HELP x_total X.\n# TYPE x_total counter\nx_total{node=\"a\"} 1.0\n# HELP y Y.\n# TYPE y gauge\ny 2.5\n"
     b = "# HELP x_total X.\n# TYPE x_total counter\nx_total{node=\"b\"} 3.0\n"

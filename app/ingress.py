@@ -216,7 +216,8 @@ class Ingress:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             msg = first["msg"].removeprefix("Value error, ")
-            raise InvalidRequestError(f"Invalid '{param}': {msg}", param=param) from None
+            where = f"'{param}'" if param else "request"
+            raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
         if req.model != self._config.model.id:
             raise NotFoundError(
                 f"The model '{req.model}' does not exist; this server serves "

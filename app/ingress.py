@@ -11,6 +11,7 @@ and ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -75,6 +76,7 @@ def _sse(payload: dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+SEED_MAX = 2**63 - 1
 
 
 class _Metrics:
@@ -132,13 +134,6 @@ class _Call:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-        }
-
 
 class _LocalStream:
     """The router's stream of deltas (an async generator in this process) with the
@@ -186,6 +181,7 @@ class Ingress:
         self._max_model_len = self._config.model.checkpoint_max_len()
         self._created = now()
         self._m = _Metrics()
+        self._stopping: set[asyncio.Future] = set()  # held until done (the loop keeps weak refs)
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -332,47 +328,116 @@ class Ingress:
         async with asyncio.timeout(remaining):
             return await stream.__anext__()
 
-    def _record(self, call: _Call, status: int) -> None:
+    def _record(self, calls: list[_Call], status: int) -> None:
+        """One request's metrics and log line; ``calls`` are its choices (``n``)."""
+        call = calls[0]
         tags = {"endpoint": call.endpoint}
         self._m.requests.inc(tags={"endpoint": call.endpoint, "status": str(status)})
         if status != 200:
             return
         end = time.monotonic()
+        num_output = sum(c.num_output_tokens for c in calls)
         self._m.e2e.observe(end - call.started, tags=tags)
         self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=tags)
-        if call.num_output_tokens:
-            self._m.output_tokens.inc(call.num_output_tokens, tags=tags)
+        if num_output:
+            self._m.output_tokens.inc(num_output, tags=tags)
         # Only a streamed request has a first token the client sees (a buffered one gets
         # its deltas from the router at the end).
-        if call.first_token_at is not None and call.streamed:
-            self._m.ttft.observe(call.first_token_at - call.started, tags=tags)
-            if call.num_output_tokens > 1:
-                self._m.tpot.observe(
-                    (end - call.first_token_at) / (call.num_output_tokens - 1), tags=tags
-                )
+        firsts = [c.first_token_at for c in calls if c.first_token_at is not None]
+        if firsts and call.streamed:
+            self._m.ttft.observe(min(firsts) - call.started, tags=tags)
+            for c in calls:  # per sequence: each choice decodes its own tokens
+                if c.first_token_at is not None and c.num_output_tokens > 1:
+                    self._m.tpot.observe(
+                        (end - c.first_token_at) / (c.num_output_tokens - 1), tags=tags
+                    )
         logger.info(
-            "request done: id=%s endpoint=%s prompt_tokens=%d output_tokens=%d finish=%s "
+            "request done: id=%s endpoint=%s n=%d prompt_tokens=%d output_tokens=%d finish=%s "
             "ttft_ms=%.1f e2e_ms=%.1f trace=%s",
             call.request_id,
             call.endpoint,
+            len(calls),
             call.num_prompt_tokens,
-            call.num_output_tokens,
-            call.finish_reason,
-            1000 * ((call.first_token_at or end) - call.started),
+            num_output,
+            ",".join(str(c.finish_reason) for c in calls),
+            1000 * ((min(firsts) if firsts else end) - call.started),
             1000 * (end - call.started),
             call.trace_id,
         )
 
+    @staticmethod
+    def _usage(calls: list[_Call]) -> dict:
+        # The prompt is counted once, as OpenAI does for n > 1.
+        prompt = calls[0].num_prompt_tokens
+        completion = sum(c.num_output_tokens for c in calls)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     # ---- generation -------------------------------------------------------------------
+
+    def _choice_requests(self, req, first: GenerationRequest) -> list[GenerationRequest]:
+        """``n`` independent sequences of one prompt. Choice i samples with ``seed + i``, so
+        a seeded request with n choices gives what n single requests seeded seed, seed+1,
+        ... give."""
+        out = [first]
+        for i in range(1, req.n):
+            seed = first.sampling.seed
+            if seed is not None:
+                seed += i
+                if seed > SEED_MAX:  # wrap within the signed 64-bit range
+                    seed -= 1 << 64
+            out.append(
+                dataclasses.replace(
+                    first,
+                    request_id=uuid.uuid4().hex,
+                    sampling=dataclasses.replace(first.sampling, seed=seed, stop=list(first.sampling.stop)),
+                )
+            )
+        return out
+
+    async def _stop(self, tasks: list[asyncio.Future], streams: list[_LocalStream]) -> None:
+        """Stop every choice: cancel the tasks reading them, then close their streams (which
+        aborts the sequences in the engine)."""
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            s.cancel()
+
+    async def _first_deltas(self, streams: list[_LocalStream], deadline: float) -> list[TokenDelta]:
+        if len(streams) == 1:
+            try:
+                return [await self._next(streams[0], deadline)]
+            except BaseException:
+                streams[0].cancel()
+                raise
+        tasks = [asyncio.ensure_future(self._next(s, deadline)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            await self._stop(tasks, streams)
+            raise
 
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
-            call = None
+            calls: list[_Call] = []
             try:
                 self._router.reject_if_full()
                 req = self._validate(schema, await self._read_json(request))
                 turn = None
+                if req.n > self._config.router.max_queue_depth:
+                    # Each choice takes a place in the router's queue.
+                    raise InvalidRequestError(
+                        f"n={req.n} exceeds this server's queue depth of "
+                        f"{self._config.router.max_queue_depth}.",
+                        param="n",
+                    )
                 if isinstance(req, ChatCompletionRequest):
+                    if req.n > 1 and (request.headers.get("x-session-id") or req.session_id):
+                        raise InvalidRequestError(
+                            "n must be 1 in a session turn: one reply is appended to the session.",
+                            param="n",
+                        )
                     prompt_ids, turn = await self._chat_prompt(req, request)
                 else:
                     prompt_ids = self._completion_prompt_ids(req)
@@ -383,24 +448,25 @@ class Ingress:
                 if turn is not None:
                     gen_request.session_id = turn.session_id
                     span.set_attribute("llm.session_id", turn.session_id)
-                call = _Call(endpoint, gen_request.request_id, len(prompt_ids))
+                gen_requests = self._choice_requests(req, gen_request)
+                calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]
+                for c in calls:
+                    c.streamed = bool(req.stream)
+                call = calls[0]
                 call.turn = turn
-                call.streamed = bool(req.stream)
                 if turn is not None:
                     call.output_ids = []
                 span.set_attribute("llm.request_id", call.request_id)
                 span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
                 span.set_attribute("llm.stream", req.stream)
+                span.set_attribute("llm.n", req.n)
                 deadline = call.started + self._config.limits.request_timeout_s
-                stream = _LocalStream(self._router.generate(gen_request))
-                try:
-                    # Wait for the first delta before answering so that a rejection
-                    # (429, 400 from the engine, 503) keeps its status code.
-                    first = await self._next(stream, deadline)
-                except BaseException:
-                    stream.cancel()
-                    raise
-                call.on_delta(first)
+                streams = [_LocalStream(self._router.generate(g)) for g in gen_requests]
+                # Wait for every choice's first delta before answering so that a rejection
+                # (429, 400 from the engine, 503) keeps its status code.
+                firsts = await self._first_deltas(streams, deadline)
+                for c, first in zip(calls, firsts):
+                    c.on_delta(first)
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
                 err = to_api_error(e)
                 span.set_attribute("http.status_code", err.status_code)
@@ -408,65 +474,66 @@ class Ingress:
                 return error_response(err)
             if req.stream:
                 return StreamingResponse(
-                    self._stream_body(req, call, first, stream, deadline),
+                    self._stream_body(req, calls, firsts, streams, deadline),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Request-Id": call.request_id},
                 )
-            return await self._complete_body(req, call, first, stream, deadline)
+            return await self._complete_body(req, calls, firsts, streams, deadline)
 
-    async def _complete_body(self, req, call: _Call, first, stream, deadline) -> Response:
+    async def _rest_of_choice(self, call: _Call, first: TokenDelta, stream, deadline: float) -> str:
         parts = [first.text]
+        delta = first
+        while delta.finish_reason is None:
+            delta = await self._next(stream, deadline)
+            call.on_delta(delta)
+            parts.append(delta.text)
+        return "".join(parts)
+
+    async def _complete_body(self, req, calls: list[_Call], firsts, streams, deadline) -> Response:
+        tasks: list[asyncio.Future] = []
         try:
-            delta = first
-            while delta.finish_reason is None:
-                delta = await self._next(stream, deadline)
-                call.on_delta(delta)
-                parts.append(delta.text)
-            await self._commit_turn(call, "".join(parts))
+            if len(calls) == 1:
+                texts = [await self._rest_of_choice(calls[0], firsts[0], streams[0], deadline)]
+            else:
+                tasks = [
+                    asyncio.ensure_future(self._rest_of_choice(c, f, s, deadline))
+                    for c, f, s in zip(calls, firsts, streams)
+                ]
+                texts = list(await asyncio.gather(*tasks))
+            await self._commit_turn(calls[0], texts[0])
         except BaseException as e:
-            stream.cancel()
+            await self._stop(tasks, streams)
             if not isinstance(e, Exception):
                 raise
             err = to_api_error(e)
-            self._record(call, err.status_code)
+            self._record(calls, err.status_code)
             return error_response(err)
-        self._record(call, 200)
-        text = "".join(parts)
-        if isinstance(req, ChatCompletionRequest):
-            body = {
-                "id": new_id("chatcmpl"),
-                "object": "chat.completion",
-                "created": now(),
-                "model": req.model,
-                "choices": [
+        self._record(calls, 200)
+        chat = isinstance(req, ChatCompletionRequest)
+        choices = []
+        for i, (c, text) in enumerate(zip(calls, texts)):
+            if chat:
+                choices.append(
                     {
-                        "index": 0,
+                        "index": i,
                         "message": {"role": "assistant", "content": text},
                         "logprobs": None,
-                        "finish_reason": call.finish_reason,
+                        "finish_reason": c.finish_reason,
                     }
-                ],
-                "usage": call.usage(),
-            }
-        else:
-            body = {
-                "id": new_id("cmpl"),
-                "object": "text_completion",
-                "created": now(),
-                "model": req.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": call.finish_reason,
-                    }
-                ],
-                "usage": call.usage(),
-            }
-        return JSONResponse(body, headers={"X-Request-Id": call.request_id})
+                )
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+        body = {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": req.model,
+            "choices": choices,
+            "usage": self._usage(calls),
+        }
+        return JSONResponse(body, headers={"X-Request-Id": calls[0].request_id})
 
-    async def _stream_body(self, req, call: _Call, first, stream, deadline) -> AsyncIterator[bytes]:
+    async def _stream_body(self, req, calls: list[_Call], firsts, streams, deadline) -> AsyncIterator[bytes]:
         chat = isinstance(req, ChatCompletionRequest)
         chunk_id = new_id("chatcmpl" if chat else "cmpl")
         created = now()
@@ -476,52 +543,94 @@ class Ingress:
             "created": created,
             "model": req.model,
         }
+        include_usage = req.include_usage_in_stream()
 
-        def chunk(text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
+        def chunk(index: int, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if role else (
                     {"content": text} if text else {}
                 )
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             payload = {**base, "choices": [choice]}
-            if req.include_usage_in_stream():
+            if include_usage:
                 payload["usage"] = None
             return _sse(payload)
 
         status = 200
-        parts: list[str] = []
+        tasks: list[asyncio.Future] = []
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            delta = first
-            while True:
-                parts.append(delta.text)
-                if delta.finish_reason is not None:
-                    # The turn is stored before the final chunk, so a client that saw
-                    # finish_reason knows its turn is in the session (or gets the 409).
-                    await self._commit_turn(call, "".join(parts))
-                if delta.text or delta.finish_reason:
-                    yield chunk(delta.text, delta.finish_reason)
-                if delta.finish_reason is not None:
-                    break
-                delta = await self._next(stream, deadline)
-                call.on_delta(delta)
-            if req.include_usage_in_stream():
-                yield _sse({**base, "choices": [], "usage": call.usage()})
+            if len(calls) == 1:
+                call, stream = calls[0], streams[0]
+                parts: list[str] = []
+                if chat:
+                    yield chunk(0, "", None, role=True)
+                delta = firsts[0]
+                while True:
+                    parts.append(delta.text)
+                    if delta.finish_reason is not None:
+                        # The turn is stored before the final chunk, so a client that saw
+                        # finish_reason knows its turn is in the session (or gets the 409).
+                        await self._commit_turn(call, "".join(parts))
+                    if delta.text or delta.finish_reason:
+                        yield chunk(0, delta.text, delta.finish_reason)
+                    if delta.finish_reason is not None:
+                        break
+                    delta = await self._next(stream, deadline)
+                    call.on_delta(delta)
+            else:
+                # n choices: one reader per choice feeds a queue; chunks go out in the
+                # order their deltas arrive, each with its choice's index.
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def read(i: int) -> None:
+                    delta = firsts[i]
+                    try:
+                        while delta.finish_reason is None:
+                            delta = await self._next(streams[i], deadline)
+                            calls[i].on_delta(delta)
+                            queue.put_nowait((i, delta))
+                    except Exception as e:  # noqa: BLE001 - handed to the writer
+                        queue.put_nowait((i, e))
+
+                for i, first in enumerate(firsts):
+                    if chat:
+                        yield chunk(i, "", None, role=True)
+                    if first.text or first.finish_reason:
+                        yield chunk(i, first.text, first.finish_reason)
+                open_choices = sum(1 for f in firsts if f.finish_reason is None)
+                tasks = [asyncio.ensure_future(read(i)) for i, f in enumerate(firsts) if f.finish_reason is None]
+                while open_choices:
+                    i, item = await queue.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.text or item.finish_reason:
+                        yield chunk(i, item.text, item.finish_reason)
+                    if item.finish_reason is not None:
+                        open_choices -= 1
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": self._usage(calls)})
         except Exception as e:  # noqa: BLE001 - the stream ends with an error event
-            stream.cancel()
+            await self._stop(tasks, streams)
             err = to_api_error(e)
             status = err.status_code
             yield _sse(err.body())
         except BaseException:
-            # The client went away (cancellation): stop the work behind this stream.
-            stream.cancel()
+            # The client went away (cancellation): stop the work behind this stream. With
+            # readers, in a task of its own that lets them end before closing the streams
+            # (this generator cannot await any more).
+            if tasks:
+                stopping = asyncio.ensure_future(self._stop(tasks, streams))
+                self._stopping.add(stopping)
+                stopping.add_done_callback(self._stopping.discard)
+            else:
+                for s in streams:
+                    s.cancel()
             status = 499
             raise
         finally:
-            self._record(call, status)
+            self._record(calls, status)
         yield SSE_DONE
 
     # ---- routes -----------------------------------------------------------------------

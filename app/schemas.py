@@ -41,12 +41,6 @@ class _Request(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
-    @model_validator(mode="after")
-    def _one_choice(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        return self
-
     def requested_max_tokens(self) -> Optional[int]:
         # max_completion_tokens is the newer name; it wins when both are sent.
         return self.max_completion_tokens or self.max_tokens

@@ -101,6 +101,40 @@ def test_greedy_through_service_equals_direct_transformers_generate(served_app):
     assert r.choices[0].text == expected
 
 
+def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
+    client = served_app.client()
+    prompt = list(range(20, 40))
+    kw = dict(model=served_app.model_id, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=77, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.completions.create(seed=77 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == singles
+    assert len(set(singles)) > 1  # the choices sample independently
+    assert all(c.finish_reason == "length" for c in r.choices)
+    # The prompt counts once, every choice's tokens count.
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 3 * 12
+    assert r.usage.total_tokens == len(prompt) + 3 * 12
+
+
+def test_n_choices_stream_by_index_and_match_the_non_streamed_reply(served_app):
+    client = served_app.client()
+    kw = dict(model=served_app.model_id, messages=CHAT, max_tokens=10, temperature=1.0, seed=5, n=2)
+    full = client.chat.completions.create(**kw)
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    texts, finishes, roles = {0: "", 1: ""}, {0: [], 1: []}, {0: 0, 1: 0}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert roles == {0: 1, 1: 1} and all(len(f) == 1 for f in finishes.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
 def test_seed_makes_sampling_reproducible(served_app):
     client = served_app.client()
     a, _ = chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=1234)
@@ -183,7 +217,9 @@ def test_malformed_json_is_400(served_app):
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.2}, "top_p"),
         ({"max_tokens": -3}, "max_tokens"),
-        ({"n": 2}, None),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": TEST_MAX_QUEUE_DEPTH + 1}, "n"),  # more choices than the router's queue holds
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(served_app, override, param):

@@ -53,6 +53,16 @@ def test_multi_turn_conversation_keeps_history_in_order(served_app):
     assert s["num_tokens"] > 3 * 8
 
 
+def test_n_above_one_in_a_session_turn_is_400_and_appends_nothing(served_app):
+    sid = new_session(served_app)["id"]
+    body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "two replies?"}], "n": 2}
+    r = httpx.post(
+        served_app.base_url + "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert get_session(served_app, sid).json()["version"] == 0
+
+
 def stored_record(served_app, sid):
     """The DataPlane's own record (with the reply token ids the API never shows)."""
     from ray import serve

@@ -58,7 +58,7 @@ def test_cross_field_check():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", 2.5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", -1), ("max_tokens", 0), ("n", 2)],
+    [("temperature", 2.5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", -1), ("max_tokens", 0), ("n", 0), ("n", 129)],
 )
 def test_out_of_range_sampling_fields_rejected(field, value):
     with pytest.raises(ValidationError):

@@ -1,5 +1,6 @@
 """The SSE body of the ingress: an error after streaming began ends the stream with an
-error event and [DONE]; a normal stream ends with finish_reason, usage and [DONE]."""
+error event and [DONE]; a normal stream ends with finish_reason, usage and [DONE]; with
+n choices, chunks carry their choice's index and one failing choice stops them all."""
 
 import json
 from types import SimpleNamespace
@@ -41,6 +42,7 @@ class FakeStream:
 def make_ingress() -> Ingress:
     ing = Ingress.__new__(Ingress)
     ing._config = AppConfig()
+    ing._stopping = set()
     ing._m = SimpleNamespace(**{k: _NoMetric() for k in ("requests", "ttft", "tpot", "e2e", "prompt_tokens", "output_tokens")})
     return ing
 
@@ -57,7 +59,7 @@ def events(chunks: list[bytes]) -> list:
 async def collect(ing, req, first, stream):
     call = _Call("completions", "r1", 3)
     call.on_delta(first)
-    return [c async for c in ing._stream_body(req, call, first, stream, deadline=1e18)]
+    return [c async for c in ing._stream_body(req, [call], [first], [stream], deadline=1e18)]
 
 
 async def test_error_after_first_token_ends_with_error_event_and_done():
@@ -89,7 +91,54 @@ async def test_client_disconnect_cancels_the_upstream_stream():
     req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True})
     stream = FakeStream([TokenDelta("b", [2], None, 3, 2)] * 5)
     call = _Call("completions", "r1", 3)
-    gen = ing._stream_body(req, call, TokenDelta("a", [1], None, 3, 1), stream, deadline=1e18)
+    gen = ing._stream_body(req, [call], [TokenDelta("a", [1], None, 3, 1)], [stream], deadline=1e18)
     await gen.__anext__()
     await gen.aclose()  # what Starlette does when the client goes away
     assert stream.cancelled
+
+
+async def collect_n(ing, req, firsts, streams):
+    calls = [_Call("completions", f"r{i}", 3) for i in range(len(firsts))]
+    for call, first in zip(calls, firsts):
+        call.on_delta(first)
+    return [c async for c in ing._stream_body(req, calls, firsts, streams, deadline=1e18)]
+
+
+async def test_n_choices_stream_with_their_index_and_usage_sums_them():
+    ing = make_ingress()
+    req = CompletionRequest.model_validate(
+        {"model": "tiny-llama", "prompt": "x", "stream": True, "n": 2, "stream_options": {"include_usage": True}}
+    )
+    streams = [
+        FakeStream([TokenDelta("b", [2], None, 3, 2), TokenDelta("c", [3], "length", 3, 3)]),
+        FakeStream([TokenDelta("y", [9], "stop", 3, 2)]),
+    ]
+    firsts = [TokenDelta("a", [1], None, 3, 1), TokenDelta("x", [8], None, 3, 1)]
+    out = events(await collect_n(ing, req, firsts, streams))
+    by_index = {0: "", 1: ""}
+    finish = {}
+    for e in out[:-2]:
+        (choice,) = e["choices"]
+        by_index[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert by_index == {0: "abc", 1: "xy"} and finish == {0: "length", 1: "stop"}
+    assert out[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert out[-1] == "[DONE]"
+
+
+async def test_one_failing_choice_ends_the_stream_and_stops_the_others():
+    ing = make_ingress()
+    req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True, "n": 2})
+
+    class Endless(FakeStream):
+        async def __anext__(self):
+            import asyncio
+
+            await asyncio.sleep(3600)
+
+    streams = [FakeStream([EngineDeadError("boom")]), Endless([])]
+    firsts = [TokenDelta("a", [1], None, 3, 1), TokenDelta("x", [8], None, 3, 1)]
+    out = events(await collect_n(ing, req, firsts, streams))
+    assert out[-2]["error"]["type"] == "service_unavailable" and out[-1] == "[DONE]"
+    assert all(s.cancelled for s in streams)

@@ -57,7 +57,7 @@ from deployments.compute.engines.protocol import (
 from deployments.compute.engines.sampling import make_generator, sample
 from deployments.compute.engines.scheduler import Scheduler, Sequence
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decode fetched blocks in a worker thread above this size, not on the event loop.
@@ -380,9 +380,11 @@ class TorchEngine(Engine):
             return None
         stats.lookups += 1
         l1_blocks = self._l1.longest_prefix(hashes) if self._l1 is not None else 0
+        t0 = time.perf_counter()
         try:
             # The data plane may hold more than L1 (a turn served by another replica).
             hit = await kv.lookup(tenant, hashes) if l1_blocks < len(hashes) else PrefixHit(0)
+            t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:
                 return await self._from_l1(hashes, l1_blocks)
@@ -412,9 +414,17 @@ class TorchEngine(Engine):
             num_bytes = sum(len(b) for b in blocks)
             if elapsed > 0:
                 kv.record_fetch(hit.tier, num_bytes, elapsed)
+            t_decode = time.perf_counter()
             if num_bytes > _DECODE_INLINE_MAX_BYTES or self._l1 is not None:
-                return await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks])
-            return self._decode_prefix(blocks)
+                prefix = await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks])
+            else:
+                prefix = self._decode_prefix(blocks)
+            logger.debug(
+                "kv prefix fetched: request=%s tier=%s blocks=%d bytes=%d lookup_ms=%.1f load_ms=%.1f decode_ms=%.1f",
+                request.request_id, hit.tier, num_blocks, num_bytes, 1000 * t_lookup, 1000 * elapsed,
+                1000 * (time.perf_counter() - t_decode),
+            )
+            return prefix
         except CorruptBlockError as e:
             stats.fetch_failures += 1
             logger.warning("corrupt kv block for %s, recomputing: %s", request.request_id, e)

@@ -48,7 +48,7 @@ from deployments.compute.engines.protocol import (
 if TYPE_CHECKING:  # pragma: no cover
     from app.config import AppConfig, VLLMOptions
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
 
 GIB = 1 << 30
 # KV cache of the CPU build when the config gives none. Without an explicit size vLLM's

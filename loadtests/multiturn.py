@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--modes", default="l1,l2,l3,recompute", help="comma-separated subset of l1,l2,l3,recompute")
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
 
@@ -164,7 +165,11 @@ def main(argv=None) -> int:
         use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
-            for kv_reuse, l1, modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):
+            wanted = set(args.modes.split(","))
+            for kv_reuse, l1, all_modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):
+                modes = [m for m in all_modes if m in wanted]
+                if not modes:
+                    continue
                 _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1}")
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
@@ -192,14 +197,17 @@ def main(argv=None) -> int:
     def per_turn(mode: str) -> list[float]:
         return [1000 * statistics.median(c[t] for c in runs[mode]) for t in range(args.turns)]
 
-    table = {mode: per_turn(mode) for mode in runs}
+    table = {mode: per_turn(mode) for mode in runs if runs[mode]}
     late = range(3, args.turns)  # turns >= 4
-    ratios = {
-        "recompute_over_l1_turns_ge4": statistics.median(table["recompute"][t] / table["l1"][t] for t in late),
-        "recompute_over_l2_turns_ge4": statistics.median(table["recompute"][t] / table["l2"][t] for t in late),
-        "recompute_over_l3_turns_ge4": statistics.median(table["recompute"][t] / table["l3"][t] for t in late),
-        "miss_cost_turn1_l2_over_recompute": table["l2"][0] / table["recompute"][0],
-    }
+    ratios = {}
+    if "recompute" in table:
+        for mode in ("l1", "l2", "l3"):
+            if mode in table:
+                ratios[f"recompute_over_{mode}_turns_ge4"] = statistics.median(
+                    table["recompute"][t] / table[mode][t] for t in late
+                )
+        if "l2" in table:
+            ratios["miss_cost_turn1_l2_over_recompute"] = table["l2"][0] / table["recompute"][0]
     print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median TTFT, ms)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{table[m][t]:>12.1f}" for m in table))

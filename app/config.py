@@ -410,6 +410,13 @@ class DataPlaneConfig(_Strict):
         "prefills its whole prompt (sessions still work).",
     )
     num_replicas: int = Field(default=2, ge=1, le=1024, description="Data-plane actors (M).")
+    prefetch: Literal["when_queued", "always", "off"] = Field(
+        default="when_queued",
+        description="When the router asks the data plane to bring a session's blocks up to "
+        "host memory: `when_queued` only when no worker is idle (the request will wait, so "
+        "the fetch overlaps the wait; with an idle worker the worker's own lookup follows at "
+        "once and a prefetch only adds a call), `always`, or `off`.",
+    )
     num_cpus: float = Field(default=0.25, ge=0, le=64)
     resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
     block_size: int = Field(

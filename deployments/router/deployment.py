@@ -140,7 +140,11 @@ class Router:
         # vLLM's connector reads Redis directly (docs/vllm_kv.md), so nothing to warm.
         if self._dataplane is None or request.session_id is None:
             return
-        if self._config.engine.name != "torch" or not self._config.dataplane.kv_reuse:
+        dc = self._config.dataplane
+        if self._config.engine.name != "torch" or not dc.kv_reuse or dc.prefetch == "off":
+            return
+        if dc.prefetch == "when_queued" and self._has_idle_worker():
+            # Dispatched at once: the worker looks the prefix up itself right away.
             return
         hashes = block_hashes(
             self._config.model.id,

@@ -708,6 +708,14 @@ def store_results(path: str | os.PathLike, run: dict) -> None:
     os.replace(tmp, p)
 
 
+def write_report(path: str | os.PathLike, doc: dict) -> Path:
+    """Write one comparison's report as JSON (parents created), replacing the file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=2))
+    return p
+
+
 def plot_levels(path: str | os.PathLike, levels: Sequence[dict], title: str = "") -> bool:
     """Throughput and latency vs. load level as a PNG; False if matplotlib is missing."""
     try:

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtests.benchmark import RequestRecord, compare, format_table, run_level, summarize
+from loadtests.benchmark import RequestRecord, compare, format_table, run_level, summarize, write_report
 
 CONFIGS = {
     "batched": {"router": {"max_batch_size": 8}, "engine": {"max_num_seqs": 32}},
@@ -175,10 +175,7 @@ def main(argv=None) -> int:
     print(format_table([r for runs in results.values() for r in runs]))
     print(json.dumps(ratios, indent=2))
     print(json.dumps(compare(results["unbatched@c32"][0], results["batched@c32"][0]), indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results, "ratios": ratios}, indent=2))
-    _say(f"stored {out}")
+    _say(f"stored {write_report(args.out, {'args': vars(args), 'results': results, 'ratios': ratios})}")
     return 0
 
 

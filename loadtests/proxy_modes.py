@@ -1,0 +1,104 @@
+"""Our app (vLLM engine, tiny model) behind Serve's gRPC-streaming Python proxy (what
+``app.builder.SERVE_PROCESS_ENV`` sets up) versus behind Ray Serve's HAProxy ingress
+(``RAY_SERVE_ENABLE_HA_PROXY=1``: a C proxy, HTTP served by the ingress replica itself),
+alternated per round; output-token throughput and TTFT at each concurrency.
+
+    python -m loadtests.proxy_modes [--rounds 2] [--concurrency 1,8,32]
+
+The proxy mode is fixed when Ray starts, so each (mode, round) runs in its own process that
+starts Ray, deploys ``loadtests.compare_vllm``'s app, measures with ``run_level`` (same
+load as compare_vllm) and stops everything. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODES = ("grpc_proxy", "haproxy")
+
+
+def _say(msg: str) -> None:
+    print(f"[proxy_modes] {msg}", file=sys.stderr, flush=True)
+
+
+def run_one(mode: str, rnd: int, out: str, args) -> None:
+    if mode == "haproxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    from loadtests import compare_vllm as cv
+
+    model_path = Path(args.model_dir).resolve()
+    ns = argparse.Namespace(
+        max_num_seqs=32, kv_gib=1.0, output_len=args.output_len, input_len=args.input_len, seed=0,
+        concurrency=args.concurrency, min_prompts=16, prompts_per_slot=4,
+        vocab_size=json.loads((model_path / "config.json").read_text())["vocab_size"],
+    )
+    app = cv.OurApp(model_path, ns, args.port)
+    try:
+        app.start(600)
+        levels = cv.measure(f"http://127.0.0.1:{args.port}", mode, rnd, ns)
+    finally:
+        app.stop()
+    Path(out).write_text(json.dumps(levels))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.proxy_modes")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--model-dir", default="models/tiny")
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--out", default="loadtests/results/proxy_modes.json")
+    p.add_argument("--one", nargs=3, metavar=("MODE", "ROUND", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.one:
+        mode, rnd, out = args.one
+        run_one(mode, int(rnd), out, args)
+        return 0
+
+    from app.model_builder import ensure_model
+
+    ensure_model(Path(args.model_dir), "tiny")
+    levels: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(1, args.rounds + 1):
+            for mode in MODES:
+                _say(f"round {rnd}/{args.rounds}: {mode}")
+                out = os.path.join(tmp, f"{mode}_{rnd}.json")
+                cmd = [sys.executable, "-m", "loadtests.proxy_modes", "--one", mode, str(rnd), out,
+                       "--concurrency", ",".join(map(str, args.concurrency)), "--model-dir", args.model_dir,
+                       "--port", str(args.port), "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+                subprocess.run(cmd, check=True)
+                levels += json.loads(Path(out).read_text())
+
+    def med(mode: str, c: int, key: str) -> float:
+        return statistics.median(l[key] for l in levels if l["system"] == mode and l["concurrency"] == c)
+
+    ratios = {}
+    print(f"{'c':>4} {'mode':>12} {'out tok/s':>10} {'TTFT p50 ms':>12}")
+    for c in args.concurrency:
+        for mode in MODES:
+            print(f"{c:>4} {mode:>12} {med(mode, c, 'output_throughput'):>10.1f} {med(mode, c, 'p50_ttft_ms'):>12.1f}")
+        ratios[f"c{c}"] = {
+            "output_tput_haproxy_over_grpc_proxy": med("haproxy", c, "output_throughput") / med("grpc_proxy", c, "output_throughput"),
+            "ttft_p50_haproxy_over_grpc_proxy": med("haproxy", c, "p50_ttft_ms") / med("grpc_proxy", c, "p50_ttft_ms"),
+        }
+    print(json.dumps(ratios, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"levels": levels, "ratios": ratios}, indent=2))
+    _say(f"stored {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

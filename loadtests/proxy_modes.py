@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from loadtests.benchmark import write_report
+
 MODES = ("grpc_proxy", "haproxy")
 
 
@@ -93,10 +95,7 @@ def main(argv=None) -> int:
             "ttft_p50_haproxy_over_grpc_proxy": med("haproxy", c, "p50_ttft_ms") / med("grpc_proxy", c, "p50_ttft_ms"),
         }
     print(json.dumps(ratios, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"levels": levels, "ratios": ratios}, indent=2))
-    _say(f"stored {out}")
+    _say(f"stored {write_report(args.out, {'levels': levels, 'ratios': ratios})}")
     return 0
 
 

@@ -34,13 +34,6 @@ class DataPlaneKVConnector(KVConnector):
         ewma_alpha: float = 0.3,
     ):
         self._handle = handle
-        # Lookups are small and on every request's path (a miss costs one): by value over
-        # Serve's gRPC transport, measured 2.2-2.8 ms a call against 4.0-4.4 ms by reference
-        # (Ray actor call). Blocks stay by reference, through the object store.
-        try:
-            self._small = handle.options(_by_reference=False)
-        except Exception:  # noqa: BLE001 - a handle without options (tests) takes both kinds
-            self._small = handle
         self.block_size = block_size
         self._timeout_s = timeout_s
         self._session_id = session_id
@@ -58,16 +51,15 @@ class DataPlaneKVConnector(KVConnector):
         except RuntimeError:
             self._loop = None
 
-    async def _call(self, method: str, *args, shard_key: str, small: bool = False, **kwargs):
-        handle = self._small if small else self._handle
-        ref = getattr(handle, method).remote(*args, shard_key=shard_key, **kwargs)
+    async def _call(self, method: str, *args, shard_key: str, **kwargs):
+        ref = getattr(self._handle, method).remote(*args, shard_key=shard_key, **kwargs)
         return await asyncio.wait_for(ref, self._timeout_s)
 
     async def lookup(self, tenant: str, hashes: list[str]) -> PrefixHit:
         if not hashes:
             return PrefixHit(0)
         try:
-            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0], small=True)
+            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0])
         except Exception as e:
             logger.warning("KV lookup failed, treating as a miss: %s", e)
             return PrefixHit(0)

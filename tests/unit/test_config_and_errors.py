@@ -117,8 +117,9 @@ def test_unexpected_error_hides_details():
 
 
 def test_serve_transport_cap_admits_the_largest_body_the_config_allows():
-    # Serve's proxy hands whole messages to the ingress over gRPC; a body the config admits
-    # but the transport refuses would be a bare 500 instead of the request's answer.
+    # With the proxy on Serve's gRPC transport a whole response is one message (a /metrics
+    # answer over the 4 MiB default was a bare 500); the cap is also what a replica accepts
+    # in one message, so it stays above the largest body the config admits.
     from app.builder import GRPC_MAX_MESSAGE_BYTES, SERVE_PROCESS_ENV
     from app.config import LimitsConfig
 

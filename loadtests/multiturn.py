@@ -188,9 +188,8 @@ def main(argv=None) -> int:
                 # mode does not carry the deployment's first-use costs (connections, lazy
                 # imports) that recompute's turn 1 would not: turn 1 is the miss-cost figure.
                 # Several, because each conversation's blocks and session live on one
-                # data-plane replica (by hash) and the first call to each replica opens its
-                # channel: one warm-up left the other replica cold, and the first measured
-                # turn 1 paid ~30 ms for it.
+                # data-plane replica (by hash) and a replica's first call pays for opening
+                # its connections: one warm-up could leave a replica cold.
                 warm = argparse.Namespace(**{**vars(args), "turns": 2, "think_s": 0, "reply_tokens": 16})
                 for w in range(WARMUP_CONVERSATIONS):
                     conversation(base_url, "warmup", warm, 7 + 100 * rnd + w, "bench")

@@ -221,7 +221,10 @@ def measure(base_url: str, system: str, rnd: int, args) -> list[dict]:
     return levels
 
 
-def ratios(levels: list[dict], concurrencies: list[int]) -> dict:
+def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str = "vllm") -> dict:
+    """Per concurrency, the medians over rounds of systems ``a`` and ``b`` (output tokens/s,
+    TTFT p50) and their ratios a/b."""
+
     def med(system: str, c: int, key: str) -> Optional[float]:
         vals = [l[key] for l in levels if l["system"] == system and l["concurrency"] == c and l.get(key)]
         return statistics.median(vals) if vals else None
@@ -230,10 +233,10 @@ def ratios(levels: list[dict], concurrencies: list[int]) -> dict:
     for c in concurrencies:
         row = {}
         for key, name in (("output_throughput", "output_tput"), ("p50_ttft_ms", "ttft_p50")):
-            ours, theirs = med("ours", c, key), med("vllm", c, key)
-            row[f"ours_{name}"] = ours
-            row[f"vllm_{name}"] = theirs
-            row[f"{name}_ours_over_vllm"] = ours / theirs if ours and theirs else None
+            ours, theirs = med(a, c, key), med(b, c, key)
+            row[f"{a}_{name}"] = ours
+            row[f"{b}_{name}"] = theirs
+            row[f"{name}_{a}_over_{b}"] = ours / theirs if ours and theirs else None
         out[f"c{c}"] = row
     return out
 

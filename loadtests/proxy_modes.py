@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,18 +81,14 @@ def main(argv=None) -> int:
                 subprocess.run(cmd, check=True)
                 levels += json.loads(Path(out).read_text())
 
-    def med(mode: str, c: int, key: str) -> float:
-        return statistics.median(l[key] for l in levels if l["system"] == mode and l["concurrency"] == c)
+    from loadtests.compare_vllm import ratios as median_ratios
 
-    ratios = {}
+    ratios = median_ratios(levels, args.concurrency, "haproxy", "grpc_proxy")
     print(f"{'c':>4} {'mode':>12} {'out tok/s':>10} {'TTFT p50 ms':>12}")
     for c in args.concurrency:
+        row = ratios[f"c{c}"]
         for mode in MODES:
-            print(f"{c:>4} {mode:>12} {med(mode, c, 'output_throughput'):>10.1f} {med(mode, c, 'p50_ttft_ms'):>12.1f}")
-        ratios[f"c{c}"] = {
-            "output_tput_haproxy_over_grpc_proxy": med("haproxy", c, "output_throughput") / med("grpc_proxy", c, "output_throughput"),
-            "ttft_p50_haproxy_over_grpc_proxy": med("haproxy", c, "p50_ttft_ms") / med("grpc_proxy", c, "p50_ttft_ms"),
-        }
+            print(f"{c:>4} {mode:>12} {row[f'{mode}_output_tput']:>10.1f} {row[f'{mode}_ttft_p50']:>12.1f}")
     print(json.dumps(ratios, indent=2))
     _say(f"stored {write_report(args.out, {'levels': levels, 'ratios': ratios})}")
     return 0

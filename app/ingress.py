@@ -404,14 +404,16 @@ class Ingress:
         for s in streams:
             s.cancel()
 
-    async def _first_deltas(self, streams: list[_LocalStream], deadline: float) -> list[TokenDelta]:
-        if len(streams) == 1:
+    async def _each_choice(self, coros: list, streams: list[_LocalStream]) -> list:
+        """Await one coroutine per choice, concurrently (in place when there is one, as on
+        the hot path); on any failure stop every choice, then re-raise."""
+        if len(coros) == 1:
             try:
-                return [await self._next(streams[0], deadline)]
+                return [await coros[0]]
             except BaseException:
                 streams[0].cancel()
                 raise
-        tasks = [asyncio.ensure_future(self._next(s, deadline)) for s in streams]
+        tasks = [asyncio.ensure_future(c) for c in coros]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -464,7 +466,7 @@ class Ingress:
                 streams = [_LocalStream(self._router.generate(g)) for g in gen_requests]
                 # Wait for every choice's first delta before answering so that a rejection
                 # (429, 400 from the engine, 503) keeps its status code.
-                firsts = await self._first_deltas(streams, deadline)
+                firsts = await self._each_choice([self._next(s, deadline) for s in streams], streams)
                 for c, first in zip(calls, firsts):
                     c.on_delta(first)
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
@@ -490,19 +492,14 @@ class Ingress:
         return "".join(parts)
 
     async def _complete_body(self, req, calls: list[_Call], firsts, streams, deadline) -> Response:
-        tasks: list[asyncio.Future] = []
         try:
-            if len(calls) == 1:
-                texts = [await self._rest_of_choice(calls[0], firsts[0], streams[0], deadline)]
-            else:
-                tasks = [
-                    asyncio.ensure_future(self._rest_of_choice(c, f, s, deadline))
-                    for c, f, s in zip(calls, firsts, streams)
-                ]
-                texts = list(await asyncio.gather(*tasks))
+            texts = await self._each_choice(
+                [self._rest_of_choice(c, f, s, deadline) for c, f, s in zip(calls, firsts, streams)], streams
+            )
             await self._commit_turn(calls[0], texts[0])
         except BaseException as e:
-            await self._stop(tasks, streams)
+            for s in streams:  # (a failed choice has stopped them all already)
+                s.cancel()
             if not isinstance(e, Exception):
                 raise
             err = to_api_error(e)

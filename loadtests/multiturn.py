@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="l1,l2,l3,recompute", help="comma-separated subset of l1,l2,l3,recompute")
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
+    wanted = set(args.modes.split(","))
+    if not wanted <= {"l1", "l2", "l3", "recompute"}:
+        p.error(f"--modes: unknown {sorted(wanted - {'l1', 'l2', 'l3', 'recompute'})}")
 
     import ray
     from ray import serve
@@ -170,7 +173,6 @@ def main(argv=None) -> int:
         use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
-            wanted = set(args.modes.split(","))
             for kv_reuse, l1, all_modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):
                 modes = [m for m in all_modes if m in wanted]
                 if not modes:

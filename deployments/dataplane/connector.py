@@ -88,11 +88,19 @@ class DataPlaneKVConnector(KVConnector):
         return blocks
 
     def save(
-        self, tenant: str, hashes: list[str], blocks: list[bytes], session_id: Optional[str] = None
+        self,
+        tenant: str,
+        hashes: list[str],
+        blocks: list[bytes],
+        session_id: Optional[str] = None,
+        *,
+        chain_root: Optional[str] = None,
     ) -> None:
         if not hashes:
             return
-        coro = self._save(tenant, list(hashes), list(blocks), session_id or self._session_id)
+        coro = self._save(
+            tenant, list(hashes), list(blocks), session_id or self._session_id, chain_root or hashes[0]
+        )
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -108,14 +116,14 @@ class DataPlaneKVConnector(KVConnector):
             coro.close()
             logger.warning("KV save of %d blocks skipped: no event loop to run it on", len(hashes))
 
-    async def _save(self, tenant: str, hashes: list[str], blocks: list[bytes], session_id) -> None:
+    async def _save(self, tenant: str, hashes: list[str], blocks: list[bytes], session_id, root: str) -> None:
         try:
             # One view per block (no copy, no thread): Ray copies them straight into
             # its object store, which is cheaper than packing them first.
             data, lengths = block_arrays(blocks)
-            await self._call(
-                "put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=hashes[0]
-            )
+            # The chain's shard (its first hash), where lookups of the chain go: a
+            # continuation sharded by its own first block would land elsewhere.
+            await self._call("put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=root)
         except Exception as e:
             logger.warning("KV save of %d blocks failed (dropped): %s", len(hashes), e)
 

@@ -290,6 +290,34 @@ async def test_connector_lookup_load_save_and_bandwidth(dataplane):
     assert conn.bandwidth_bytes_per_s(TIER_L3) > 0
 
 
+async def test_a_chain_continued_later_stays_on_one_shard(dataplane):
+    # A session's next turn exports only its new blocks. Sharded by the first of those,
+    # they could land on another replica than the chain's first block, where every lookup
+    # of the chain goes: that replica would see them only in Redis, after write-behind.
+    tenant = tenant_name()
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+
+    async def owner(shard_key: str) -> str:
+        return (await dataplane.stats.remote(shard_key=shard_key))["actor_name"]
+
+    for seed in range(40):  # a chain whose continuation's first block has another owner
+        hashes, blocks = make_blocks(tenant, 6, seed=100 + seed)
+        if await owner(hashes[0]) != await owner(hashes[3]):
+            break
+    else:
+        pytest.fail("no chain with a continuation owned by another replica in 40 tries")
+    conn.save(tenant, hashes[:3], blocks[:3])
+    await conn.drain()
+    conn.save(tenant, hashes[3:], blocks[3:], chain_root=hashes[0])
+    await conn.drain()
+    # Right away (write-behind runs every 50 ms here): the whole chain, in L2 on the
+    # replica that every lookup of the chain goes to.
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])
+    assert (hit.num_blocks, hit.tier) == (6, TIER_L2)
+    assert (await conn.lookup(tenant, hashes)).num_blocks == 6
+    assert await conn.load(tenant, hashes) == blocks
+
+
 async def test_connector_failure_is_a_miss():
     class Broken:
         def __getattr__(self, name):

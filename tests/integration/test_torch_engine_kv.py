@@ -165,6 +165,9 @@ async def test_second_turn_prefills_only_the_new_suffix(engine, plain):
     # Turn 2 exported only its new blocks, chained onto turn 1's.
     all_hashes = block_hashes("tiny", "default", turn2 + out2[:-1], BLOCK)
     assert engine._kv.saves[-1][1] == all_hashes[hit // BLOCK :]
+    # ...and named the chain's first block, so a sharded store keeps the continuation on
+    # the shard where lookups of the whole chain go.
+    assert engine._kv.chain_roots[-1] == all_hashes[0] != all_hashes[hit // BLOCK]
 
 
 @pytest.mark.asyncio

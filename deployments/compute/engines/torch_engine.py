@@ -470,8 +470,8 @@ class TorchEngine(Engine):
 
     async def _export(self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor) -> None:
         try:
-            hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
-            self._kv.save(tenant, hashes, blocks)
+            root, hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
+            self._kv.save(tenant, hashes, blocks, chain_root=root)
             self._kv_stats.blocks_exported += len(blocks)
         except Exception:  # noqa: BLE001 - never surfaces to a request
             self._kv_stats.export_failures += 1
@@ -479,14 +479,17 @@ class TorchEngine(Engine):
 
     def _encode_export(
         self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor
-    ) -> tuple[list[str], list[bytes]]:
-        hashes = block_hashes(self.model_id, tenant, token_ids, self.block_size)[first_block:]
+    ) -> tuple[str, list[str], list[bytes]]:
+        """The chain's first hash, and the hashes and stored bytes of its blocks from
+        ``first_block`` on (those ``span`` holds)."""
+        chain = block_hashes(self.model_id, tenant, token_ids, self.block_size)
+        hashes = chain[first_block:]
         blocks = encode_kv_blocks(span, self.block_size)
         if len(hashes) != len(blocks):
             raise RuntimeError(f"{len(hashes)} hashes for {len(blocks)} exported blocks")
         if self._l1 is not None:
             self._l1.put(hashes, span)
-        return hashes, blocks
+        return (chain[0] if chain else None), hashes, blocks
 
     # ------------------------------------------------------------------ loop thread
 

@@ -57,8 +57,10 @@ def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
     return b"".join((_PREFIX.pack(MAGIC, len(meta)), meta, payload))
 
 
-def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
-    """Check and split a stored block. Raises CorruptBlockError on any mismatch."""
+def decode_block(data: bytes | memoryview, *, verify: bool = True) -> tuple[BlockHeader, memoryview]:
+    """Check and split a stored block. Raises CorruptBlockError on any mismatch.
+    ``verify=False`` skips the payload checksum (for blocks checked since they were
+    written); the header is always checked."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         raise CorruptBlockError("block shorter than its prefix")
@@ -83,7 +85,7 @@ def decode_block(data: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
     payload = view[_PREFIX.size + header_len :]
     if len(payload) != nbytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {nbytes}")
-    if zlib.crc32(payload) != crc:
+    if verify and zlib.crc32(payload) != crc:
         raise CorruptBlockError("payload checksum mismatch")
     return header, payload
 

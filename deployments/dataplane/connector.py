@@ -14,7 +14,15 @@ import time
 from collections import OrderedDict
 from typing import Optional
 
-from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, Ewma, KVConnector, PrefixHit
+from deployments.compute.engines.kv import (
+    TIER_L2,
+    TIER_L3,
+    TIER_NONE,
+    CheckedBlocks,
+    Ewma,
+    KVConnector,
+    PrefixHit,
+)
 from deployments.dataplane.blocks import block_arrays, unpack_blocks
 
 logger = logging.getLogger("ray.serve")
@@ -85,7 +93,9 @@ class DataPlaneKVConnector(KVConnector):
         tier = self._tiers.pop((tenant, hashes[-1]), None)
         if tier in (TIER_L2, TIER_L3):
             self.record_fetch(tier, sum(len(b) for b in blocks), time.perf_counter() - started)
-        return blocks
+        # The data plane checked each on its way in (from a worker or from Redis) and
+        # keeps it in read-only memory since.
+        return CheckedBlocks(blocks)
 
     def save(
         self,

@@ -83,6 +83,26 @@ def test_corrupted_payload_byte_is_corrupt():
         decode_kv_block(bytes(data), dtype=torch.float32, shape=SHAPE)
 
 
+def test_checked_blocks_skip_only_the_checksum():
+    # Blocks a store has checked since they were written (CheckedBlocks): decoding them
+    # skips the crc32 pass, and nothing else.
+    span = rand_block(shape=(2, 2, 3, 8, 8), seed=5)
+    blocks = [memoryview(b).toreadonly() for b in encode_kv_blocks(span, block_size=4)]
+    out = decode_kv_blocks(blocks, dtype=torch.float32, shape=SHAPE, verify=False)
+    assert torch.equal(out, span)
+    out.add_(1)  # the span owns its memory: the read-only blocks are untouched
+    assert torch.equal(decode_kv_blocks(blocks, dtype=torch.float32, shape=SHAPE), span)
+    flipped = bytearray(blocks[1])
+    flipped[-5] ^= 0x01
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_kv_blocks([blocks[0], bytes(flipped)], dtype=torch.float32, shape=SHAPE)
+    decode_kv_blocks([blocks[0], bytes(flipped)], dtype=torch.float32, shape=SHAPE, verify=False)
+    with pytest.raises(CorruptBlockError, match="shape"):
+        decode_kv_blocks(blocks, dtype=torch.float32, shape=(2, 2, 3, 4, 16), verify=False)
+    with pytest.raises(CorruptBlockError):
+        decode_kv_blocks([bytes(blocks[0])[:-1]], dtype=torch.float32, shape=SHAPE, verify=False)
+
+
 @pytest.mark.parametrize(
     "mangle",
     [

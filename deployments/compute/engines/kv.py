@@ -48,6 +48,13 @@ class PrefixHit:
     num_bytes: int = 0
 
 
+class CheckedBlocks(list):
+    """Blocks a store hands over already checked (header and crc32), each one since it
+    was last written: the data plane checks every block on its way in, from a worker or
+    from Redis, and then holds it in read-only memory. The engine still checks each
+    header against its model (dtype, shape, layout) but skips the checksum pass."""
+
+
 class KVConnector(abc.ABC):
     """What an engine needs from a KV store. Implementations must never raise to the
     engine on a store failure: a failure is a miss (and a metric), never a failed request."""
@@ -61,7 +68,8 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes | memoryview]]:
         """The encoded blocks for ``hashes`` (all of them, in order; bytes or read-only
-        views), or None if any is missing or fails its checksum."""
+        views), or None if any is missing or fails its checksum. A :class:`CheckedBlocks`
+        says the store has checked them already."""
 
     @abc.abstractmethod
     def save(

@@ -36,7 +36,7 @@ from typing import AsyncIterator, Callable, Optional, Union
 import torch
 
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
-from deployments.compute.engines.kv import Ewma, KVConnector, PrefixHit, block_hashes, should_fetch
+from deployments.compute.engines.kv import CheckedBlocks, Ewma, KVConnector, PrefixHit, block_hashes, should_fetch
 from deployments.compute.engines.kv_codec import (
     CorruptBlockError,
     block_shape,
@@ -434,7 +434,9 @@ class TorchEngine(Engine):
         return None
 
     def _decode_prefix(self, blocks: list[bytes], hashes: Optional[list[str]] = None) -> torch.Tensor:
-        prefix = decode_kv_blocks(blocks, dtype=self.dtype, shape=self._kv_block_shape)
+        prefix = decode_kv_blocks(
+            blocks, dtype=self.dtype, shape=self._kv_block_shape, verify=not isinstance(blocks, CheckedBlocks)
+        )
         if self._l1 is not None and hashes:
             self._l1.put(hashes, prefix)  # a fetched prefix is local from now on
         return prefix

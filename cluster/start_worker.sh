@@ -6,7 +6,9 @@
 #   compute  GPU (or CPU) machines for ComputeWorker replicas: advertises {"compute_node": 1};
 #            GPUs are detected by Ray (pass --num-gpus=N to override).
 #   data     memory-rich machines for DataPlane replicas (L2 host-memory KV tier):
-#            advertises {"data_node": 1}.
+#            advertises {"data_node": 1}. L2 lives in Ray's object store: pass
+#            --object-store-memory=<replicas on the node x l2_capacity_bytes> and make
+#            /dev/shm at least that large (Ray's default store is 30% of RAM).
 #
 # The token must be the head's: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token.
 set -euo pipefail

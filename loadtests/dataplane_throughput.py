@@ -8,9 +8,12 @@ same machine; the bounds that limit it; and how long a worker waits for a prefix
 Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
 through its Serve handle, as a compute worker drives it (blocks travel through Ray's
 object store): ``put_blocks_packed`` (into host memory, written behind to Redis),
-``get_blocks_packed`` from host memory (L2: once right after the puts, while the
-replicas write them behind to Redis, and again once that finished) and, after
-``flush_l2``, from Redis (L3).
+``get_block_refs`` plus mapping the referenced objects here, the worker's read, from
+host memory (L2: once right after the puts, while the replicas write them behind to
+Redis, and again once that finished) and, after ``flush_l2``, from Redis (L3); and
+``get_blocks_packed`` from L2 (the bytes copied into the reply) for comparison. On one
+node the worker's read maps the data plane's copy without moving the bytes; across
+nodes Ray would move them, which this single-machine figure does not include.
 Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the same redis-server,
 run right after ours in each round; the ratio is taken per round (the machine's speed
 drifts by tens of percent between minutes), and the median over rounds is reported.
@@ -81,6 +84,7 @@ async def _timed(calls, concurrency: int, total_bytes: int):
 
 async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str) -> dict:
     from deployments.dataplane.blocks import block_arrays
+    from deployments.dataplane.connector import resolve_block_refs
 
     groups = [
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
@@ -92,7 +96,17 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     def put(g):
         return lambda: handle.put_blocks_packed.remote(tenant, g[0], *block_arrays(g[1]), shard_key=g[0][0])
 
+    # As the worker's connector reads them: references into the data plane's object-store
+    # copy, then mapped here (on this node, without a copy; across nodes Ray moves them).
+    async def get_refs(g):
+        segments = await handle.get_block_refs.remote(tenant, g[0], shard_key=g[0][0])
+        return None if segments is None else await resolve_block_refs(segments)
+
     def get(g):
+        return lambda: get_refs(g)
+
+    # The bytes in the reply: packed into one array and copied into the object store.
+    def get_packed(g):
         return lambda: handle.get_blocks_packed.remote(tenant, g[0], shard_key=g[0][0])
 
     put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total)
@@ -105,12 +119,20 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     await write_behind_done(handle)
     get_l2_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
+    get_l2_packed_gbps, got = await _timed([get_packed(g) for g in groups], concurrency, total)
+    assert all(r is not None for r in got), "a block went missing from L2"
     await flush_all(handle)
     get_l3_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L3"
     del got
     await flush_all(handle)  # the next round starts from an empty L2
-    return {"put": put_gbps, "get_l2": get_l2_gbps, "get_l3": get_l3_gbps, "get_l2_during_write_behind": get_busy_gbps}
+    return {
+        "put": put_gbps,
+        "get_l2": get_l2_gbps,
+        "get_l3": get_l3_gbps,
+        "get_l2_during_write_behind": get_busy_gbps,
+        "get_l2_packed": get_l2_packed_gbps,
+    }
 
 
 async def flush_all(handle) -> None:
@@ -323,6 +345,7 @@ def main(argv=None) -> int:
                         "get_l3_over_redis_get": ours["get_l3"] / peer["get"],
                         "get_l2_over_redis_get": ours["get_l2"] / peer["get"],
                         "get_l2_during_write_behind_over_redis_get": ours["get_l2_during_write_behind"] / peer["get"],
+                        "get_l2_packed_over_redis_get": ours["get_l2_packed"] / peer["get"],
                     },
                 })
         if args.worker_blocks:

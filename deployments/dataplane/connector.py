@@ -23,12 +23,30 @@ from deployments.compute.engines.kv import (
     KVConnector,
     PrefixHit,
 )
-from deployments.dataplane.blocks import block_arrays, unpack_blocks
+from deployments.dataplane.blocks import block_arrays
 
 logger = logging.getLogger("ray.serve")
 
 # Remembered tier of recent lookups, so load() can attribute its time to a tier.
 _MAX_REMEMBERED = 4096
+# Blocks that came with recent lookups (references into the data plane's object store),
+# for the load() that follows; few, since each keeps its objects alive.
+_MAX_STASHED = 16
+
+
+async def resolve_block_refs(segments) -> list[memoryview]:
+    """The blocks of ``DataPlane.get_block_refs``'s answer, in order: each ObjectRef is
+    fetched once (mapped from the node's object store without a copy when the data plane
+    runs on this node), inline lists are used as they are."""
+    import ray
+
+    refs = [src for src, _ in segments if isinstance(src, ray.ObjectRef)]
+    fetched = iter(await asyncio.gather(*refs)) if refs else iter(())
+    blocks: list[memoryview] = []
+    for src, indices in segments:
+        arrays = next(fetched) if isinstance(src, ray.ObjectRef) else src
+        blocks.extend(memoryview(arrays[i]) for i in indices)
+    return blocks
 
 
 class DataPlaneKVConnector(KVConnector):
@@ -51,6 +69,7 @@ class DataPlaneKVConnector(KVConnector):
         # down, and then whole long prefixes were recomputed instead of fetched.
         self._bandwidth = {tier: (Ewma(ewma_alpha), Ewma(ewma_alpha)) for tier in (TIER_L2, TIER_L3)}
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._stash: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._pending: set[asyncio.Task] = set()
         # The loop the connector was built on: ``save`` may be called from an engine's
         # own thread, which has no loop of its own.
@@ -67,15 +86,23 @@ class DataPlaneKVConnector(KVConnector):
         if not hashes:
             return PrefixHit(0)
         try:
-            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0])
+            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0], with_refs=True)
         except Exception as e:
             logger.warning("KV lookup failed, treating as a miss: %s", e)
             return PrefixHit(0)
         if hit.num_blocks:
-            self._tiers[(tenant, hashes[hit.num_blocks - 1])] = hit.tier
-            self._tiers.move_to_end((tenant, hashes[hit.num_blocks - 1]))
+            key = (tenant, hashes[hit.num_blocks - 1])
+            self._tiers[key] = hit.tier
+            self._tiers.move_to_end(key)
             while len(self._tiers) > _MAX_REMEMBERED:
                 self._tiers.popitem(last=False)
+            if hit.refs is not None:
+                # What load() of exactly this run will use instead of a second call.
+                self._stash[key] = hit.refs
+                self._stash.move_to_end(key)
+                while len(self._stash) > _MAX_STASHED:
+                    self._stash.popitem(last=False)
+                hit.refs = None
         return hit
 
     async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes]]:
@@ -83,8 +110,10 @@ class DataPlaneKVConnector(KVConnector):
             return []
         started = time.perf_counter()
         try:
-            packed = await self._call("get_blocks_packed", tenant, hashes, shard_key=hashes[0])
-            blocks = None if packed is None else unpack_blocks(*packed)
+            segments = self._stash.pop((tenant, hashes[-1]), None)
+            if segments is None:
+                segments = await self._call("get_block_refs", tenant, hashes, shard_key=hashes[0])
+            blocks = None if segments is None else await resolve_block_refs(segments)
         except Exception as e:
             logger.warning("KV load failed, treating as a miss: %s", e)
             return None

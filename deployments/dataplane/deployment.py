@@ -18,6 +18,13 @@ blocks live in this replica's memory (appends compare-and-set on the in-memory v
 ``status()["degraded"]`` is True, a gauge says so and one log line marks each change. A
 background task retries every ``reconnect_interval_s``; when Redis answers, what was kept
 (newer sessions, deletions, dirty blocks) is written back before the flag clears.
+
+Where L2 lives: under Ray, the blocks of one put (or of one read from Redis) are copied
+once into one object in Ray's shared-memory object store, which this replica owns
+(``_Resident``); L2 keeps read-only views of it. A worker's read (:meth:`get_block_refs`)
+then returns references to those objects instead of the bytes: on the same node the
+worker maps them without a copy, on another node Ray moves them. Without Ray (tests,
+tools) L2 holds the blocks in this process's memory.
 """
 
 from __future__ import annotations
@@ -54,6 +61,43 @@ WRITE_BATCH = 256
 SessionKey = tuple[str, str]  # (tenant, session id)
 
 
+class _Resident:
+    """Blocks held in one object of Ray's object store that this replica owns: the
+    reference (the object lives while this does), the read-only arrays of its blocks, and
+    which array a stored L2 value is. L2 accounts the object as one shared buffer (group)."""
+
+    __slots__ = ("ref", "views", "nbytes", "_index")
+
+    def __init__(self, ref, arrays: list):
+        self.ref = ref
+        self.views = [memoryview(a).toreadonly() for a in arrays]
+        self.nbytes = sum(len(v) for v in self.views)
+        self._index = {id(v): i for i, v in enumerate(self.views)}
+
+    def index_of(self, view) -> Optional[int]:
+        i = self._index.get(id(view))
+        return i if i is not None and self.views[i] is view else None
+
+
+def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resident]]:
+    """This replica's own copy of ``blocks`` (bytes-like), made once: one object in Ray's
+    object store (views of it, and its ``_Resident``), else one array in this process's
+    memory (views of it, shared by L2 as one buffer)."""
+    import ray
+
+    if not blocks:
+        return [], None
+    arrays = [np.frombuffer(b, dtype=np.uint8) for b in blocks]
+    if object_store:
+        # A list of arrays: Ray copies each straight into the one object (no packing
+        # copy first), and ray.get maps them back without a copy.
+        ref = ray.put(arrays)
+        resident = _Resident(ref, ray.get(ref))
+        return list(resident.views), resident
+    owned = np.concatenate(arrays) if arrays else np.empty(0, np.uint8)
+    return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
+
+
 def _copy(rec: SessionRecord) -> SessionRecord:
     return dataclasses.replace(rec, messages=list(rec.messages))
 
@@ -72,6 +116,12 @@ class _Metrics:
         self.corrupt = m.Counter("llm_dataplane_corrupt_blocks", "Blocks that failed their checksum, by tier.", tag_keys=("tier",))
         self.bytes_in = m.Counter("llm_dataplane_bytes_in", "Block bytes stored by clients.")
         self.bytes_out = m.Counter("llm_dataplane_bytes_out", "Block bytes returned to clients, by tier.", tag_keys=("tier",))
+        self.handoff_bytes = m.Counter(
+            "llm_dataplane_handoff_bytes",
+            "Block bytes handed to workers, by mode: ref (a reference into this replica's "
+            "object-store copy, no copy made) or inline (copied into the reply).",
+            tag_keys=("mode",),
+        )
         self.l2_used = m.Gauge("llm_dataplane_l2_used_bytes", "Bytes held in the L2 memory tier.")
         self.evictions = m.Counter("llm_dataplane_l2_evictions", "Blocks evicted from L2.")
         self.dropped = m.Counter("llm_dataplane_dropped_blocks", "Dirty blocks dropped because Redis was unreachable.")
@@ -111,6 +161,7 @@ class DataPlane:
         *,
         store_factory: Optional[Callable[[DataPlaneConfig], RedisStore]] = None,
         enable_metrics: bool = True,
+        object_store: Optional[bool] = None,
     ):
         app_config = AppConfig.model_validate(config)
         telemetry.setup(app_config.telemetry, "dataplane")
@@ -122,6 +173,12 @@ class DataPlane:
             policy=self._cfg.eviction_policy,
         )
         self._store = (store_factory or self._default_store)(self._cfg)
+        # L2 in Ray's object store (None: whenever Ray is running, as in a replica).
+        if object_store is None:
+            import ray
+
+            object_store = ray.is_initialized()
+        self._object_store = object_store
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
         self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
         self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
@@ -150,6 +207,8 @@ class DataPlane:
         if self._started:
             return
         self._started = True
+        if self._object_store:
+            self._check_object_store_size()
         try:
             await self._store.ping()
             self._m.set("degraded", 0)
@@ -166,6 +225,28 @@ class DataPlane:
         self._peers = self._self_handle()
         if self._peers is not None:
             self._tasks.append(loop.create_task(self._warm_peers()))
+
+    def _check_object_store_size(self) -> None:
+        """One warning if L2 cannot fit in this node's object store (it still works:
+        Ray spills what does not fit to disk, and reads of those blocks get slower)."""
+        try:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+            store = next(
+                (n.get("ObjectStoreMemory") or n.get("Resources", {}).get("object_store_memory")
+                 for n in ray.nodes() if n.get("NodeID") == node_id),
+                None,
+            )
+        except Exception:  # noqa: BLE001 - a sizing hint only
+            return
+        if store and self._cfg.l2_capacity_bytes > store:
+            logger.warning(
+                "DataPlane: L2 capacity %d bytes exceeds this node's object store (%d bytes), "
+                "where L2 lives: blocks past it spill to disk. Raise `ray start "
+                "--object-store-memory` on data nodes (replicas on the node x l2_capacity_bytes).",
+                self._cfg.l2_capacity_bytes, int(store),
+            )
 
     async def shutdown(self) -> None:
         for t in self._tasks:
@@ -318,8 +399,8 @@ class DataPlane:
                 )
         self._m.set("l2_used", self._l2.used_bytes)
 
-    async def _put_l2(self, key: str, value: bytes, *, dirty: bool) -> None:
-        await self._handle_evicted(self._l2.put(key, value, dirty=dirty))
+    async def _put_l2(self, key: str, value: bytes, *, dirty: bool, group: object = None) -> None:
+        await self._handle_evicted(self._l2.put(key, value, dirty=dirty, group=group))
 
     # -- KV blocks: public API ----------------------------------------------------------
 
@@ -349,6 +430,7 @@ class DataPlane:
         blocks: list,
         session_id: Optional[str],
         shard_key: Optional[str],
+        group: Optional[_Resident] = None,
     ) -> int:
         # Every block is checked once, here or when read from Redis: L2 holds only
         # checked blocks, so L2 reads do not check again (the worker checks on decode).
@@ -361,7 +443,7 @@ class DataPlane:
             for h, b in zip(hashes, blocks):
                 if not self._verify(b, "put"):
                     continue
-                await self._put_l2(keys.block_key(tenant, h), b, dirty=True)
+                await self._put_l2(keys.block_key(tenant, h), b, dirty=True, group=group)
                 stored += 1
         self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "put", "tier": TIER_L2})
         self._counts["bytes_in"] += nbytes
@@ -382,10 +464,18 @@ class DataPlane:
         return stored
 
     async def lookup_prefix(
-        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+        self,
+        tenant: str,
+        hashes: list[str],
+        *,
+        shard_key: Optional[str] = None,
+        with_refs: bool = False,
     ) -> PrefixHit:
         """The longest leading run of ``hashes`` held in L2 or L3; ``tier`` is the
-        slowest tier among them. A Redis outage makes L3 look empty."""
+        slowest tier among them. A Redis outage makes L3 look empty. ``with_refs``: when
+        the whole run is in L2, ``refs`` carries the blocks as :meth:`get_block_refs`
+        would (the worker's lookup and read in one call; handing out references copies
+        nothing, so a worker that then recomputes instead has cost nothing here)."""
         await self.start()
         sizes: list[Optional[int]] = [self._l2.size_of(keys.block_key(tenant, h)) for h in hashes]
         tiers = [TIER_L2 if s is not None else TIER_NONE for s in sizes]
@@ -413,6 +503,11 @@ class DataPlane:
         if hit.num_blocks < len(hashes):
             self._counts["lookup_misses"] += 1
             self._m.inc("misses")
+        if with_refs and hit.num_blocks and hit.tier == TIER_L2:
+            run = hashes[: hit.num_blocks]
+            blocks = await self._read_blocks(tenant, run)  # in L2 (unless evicted meanwhile)
+            if blocks is not None:
+                hit.refs = self._hand_off(tenant, run, blocks)
         return hit
 
     def _verify(self, data, tier: str) -> bool:
@@ -474,8 +569,10 @@ class DataPlane:
                         pass
                     return None, TIER_NONE
                 out[i] = data
-            for i in missing:
-                await self._put_l2(l2_keys[i], out[i], dirty=False)
+            owned, group = _own_blocks([out[i] for i in missing], self._object_store)
+            for i, view in zip(missing, owned):
+                out[i] = view
+                await self._put_l2(l2_keys[i], view, dirty=False, group=group)
         l3_bytes = sum(len(out[i]) for i in missing)
         l2_bytes = sum(len(b) for b in out) - l3_bytes
         self._counts["bytes_out"] += l2_bytes + l3_bytes
@@ -503,11 +600,53 @@ class DataPlane:
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
     ):
         """:meth:`get_blocks` as ``(uint8 array, lengths)`` (see ``blocks.pack_blocks``):
-        the form compute workers use, one object-store transfer per prefix. Blocks that
-        lie back to back in one buffer (read from Redis together, or put together) go
-        out as a view of it, with no copy here; Ray copies them once into its store."""
+        one array per prefix, for callers that want the bytes in the reply (workers use
+        :meth:`get_block_refs`). Blocks that lie back to back in one buffer go out as a
+        view of it (without Ray: blocks put or read from Redis together), others are
+        copied once into a new array."""
         blocks = await self._read_blocks(tenant, hashes)
         return None if blocks is None else pack_blocks(blocks)
+
+    async def get_block_refs(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> Optional[list[tuple[object, list[int]]]]:
+        """:meth:`get_blocks` as references, the form compute workers use (see
+        ``DataPlaneKVConnector.load``): a list of ``(source, indices)``, in block order,
+        where ``source`` is an ObjectRef of one of this replica's object-store copies (a
+        list of block arrays) or such a list inline, and ``indices`` pick the blocks from
+        it. Blocks in L2 (and those just read from Redis, which are copied into L2 once)
+        go by reference, without a copy here; a block L2 had to copy out of its shared
+        object goes inline. None if any block is missing or corrupt."""
+        blocks = await self._read_blocks(tenant, hashes)
+        return None if blocks is None else self._hand_off(tenant, hashes, blocks)
+
+    def _hand_off(self, tenant: str, hashes: list[str], blocks: list) -> list[tuple[object, list[int]]]:
+        """``blocks`` (of ``hashes``, just read) as ``get_block_refs`` segments."""
+        segments: list[tuple[object, list[int]]] = []
+        inline: Optional[list] = None  # the last segment's list, when it is inline
+        last: Optional[_Resident] = None  # the last segment's object, when by reference
+        by_ref = inline_bytes = 0
+        for h, value in zip(hashes, blocks):
+            group = self._l2.group_of(keys.block_key(tenant, h))
+            index = group.index_of(value) if isinstance(group, _Resident) else None
+            if index is None:
+                if inline is None:
+                    inline, last = [], None
+                    segments.append((inline, []))
+                segments[-1][1].append(len(inline))
+                inline.append(np.frombuffer(value, dtype=np.uint8))
+                inline_bytes += len(value)
+            else:
+                if group is not last:
+                    inline, last = None, group
+                    segments.append((group.ref, []))
+                segments[-1][1].append(index)
+                by_ref += len(value)
+        self._counts["handoff_bytes_ref"] += by_ref
+        self._counts["handoff_bytes_inline"] += inline_bytes
+        self._m.inc("handoff_bytes", by_ref, tags={"mode": "ref"})
+        self._m.inc("handoff_bytes", inline_bytes, tags={"mode": "inline"})
+        return segments
 
     async def put_blocks_packed(
         self,
@@ -529,21 +668,19 @@ class DataPlane:
                 f"{len(hashes)} hashes but {len(lengths)} lengths", param="lengths"
             )
         try:
-            # One copy of everything into one array this replica owns (``data`` is a
-            # read-only view of Ray's object store): a large numpy allocation gets
-            # transparent huge pages, so this costs a fraction of one ``bytes`` per
-            # block. L2 keeps read-only views into it.
+            # ``data`` is the caller's: read-only views of the object Ray made for this
+            # call. They are checked against ``lengths``, then copied once into an
+            # object this replica owns (``_own_blocks``); L2 keeps views of that copy.
             if isinstance(data, (list, tuple)):
                 arrays = [np.frombuffer(a, dtype=np.uint8) for a in data]
                 if [len(a) for a in arrays] != [int(n) for n in lengths]:
                     raise ValueError("the arrays' sizes are not the lengths given")
-                owned = np.concatenate(arrays) if arrays else np.empty(0, np.uint8)
             else:
-                owned = np.frombuffer(data, dtype=np.uint8).copy()
-            blocks = unpack_blocks(memoryview(owned).toreadonly(), lengths)
+                arrays = unpack_blocks(data, lengths)
         except (CorruptBlockError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"packed blocks do not match their lengths: {e}", param="lengths") from None
-        return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key)
+        blocks, group = _own_blocks(arrays, self._object_store)
+        return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key, group)
 
     async def prefetch(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
@@ -557,7 +694,7 @@ class DataPlane:
                 fetched = await self._redis(self._store.get_blocks, tenant, [hashes[i] for i in missing])
             except RedisUnavailable:
                 fetched = []
-            num_fetched = 0
+            good: list[tuple[int, bytes]] = []
             for i, data in zip(missing, fetched):
                 if data is None:
                     continue
@@ -567,9 +704,12 @@ class DataPlane:
                     except RedisUnavailable:
                         pass
                     continue
-                await self._put_l2(l2_keys[i], data, dirty=False)
+                good.append((i, data))
+            owned, group = _own_blocks([data for _, data in good], self._object_store)
+            for (i, _), view in zip(good, owned):
+                await self._put_l2(l2_keys[i], view, dirty=False, group=group)
                 self._prefetched.add(l2_keys[i])
-                num_fetched += 1
+            num_fetched = len(good)
             self._counts["prefetched"] += num_fetched
             self._m.inc("prefetched", num_fetched)
         return sum(k in self._l2 for k in l2_keys)
@@ -595,7 +735,7 @@ class DataPlane:
         self._prefetched.clear()
         kept = [e for e in self._l2.clear() if e.dirty]
         for e in kept:
-            self._l2.put(e.key, e.value, dirty=True)
+            self._l2.put(e.key, e.value, dirty=True, group=e.group)
         self._m.set("l2_used", self._l2.used_bytes)
         return {"written": written, "kept_dirty": len(kept)}
 

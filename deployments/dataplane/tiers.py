@@ -18,6 +18,13 @@ any of its views is stored, so the tier tracks each shared buffer's live bytes, 
 they fall below half of the buffer it copies the remaining views out (``bytes``) and lets
 the buffer go: memory held is at most twice ``used_bytes``, and each byte is copied this
 way at most once.
+
+A caller can name the buffer a value belongs to (``put(..., group=obj)``, ``obj.nbytes``
+its size) when the value is not a view of it: the data plane's blocks in Ray's object
+store are separate arrays inside one stored object (see ``deployment._Resident``). The
+same accounting applies: the group stays alive while any of its values is stored, and a
+mostly dead group is copied out. :meth:`MemoryTier.group_of` says which group a stored
+value belongs to.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class Evicted:
     value: bytes
     # True: the value never reached L3; the caller must write it there or count it lost.
     dirty: bool
+    # The group the value was put with (``MemoryTier.put``), if any: to put it back as it was.
+    group: object = None
 
 
 @dataclass(slots=True)
@@ -44,6 +53,7 @@ class _Entry:
     freq: int
     last_use: int
     pinned: bool
+    group: object = None  # the buffer (or named group) the value lives in, if shared
 
 
 @dataclass(slots=True)
@@ -56,8 +66,15 @@ class _Shared:
     keys: set[str]
 
 
-def _shared_base(value) -> Optional[object]:
+def _shared_base(value, group=None) -> Optional[object]:
+    if group is not None:
+        return group
     return value.obj if isinstance(value, memoryview) else None
+
+
+def _size_of(base) -> int:
+    size = getattr(base, "nbytes", None)
+    return int(size) if isinstance(size, int) else memoryview(base).nbytes
 
 
 class MemoryTier:
@@ -124,6 +141,12 @@ class MemoryTier:
         entry = self._entries.get(key)
         return None if entry is None else entry.value
 
+    def group_of(self, key: str) -> Optional[object]:
+        """The group ``key``'s value was put with, while the value still lives in it
+        (None once copied out, or if it was put without one)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.group
+
     def size_of(self, key: str) -> Optional[int]:
         entry = self._entries.get(key)
         return None if entry is None else len(entry.value)
@@ -145,7 +168,13 @@ class MemoryTier:
     # -- writes --------------------------------------------------------------------
 
     def put(
-        self, key: str, value: bytes | memoryview, *, dirty: bool = False, pinned: bool = False
+        self,
+        key: str,
+        value: bytes | memoryview,
+        *,
+        dirty: bool = False,
+        pinned: bool = False,
+        group: object = None,
     ) -> list[Evicted]:
         """Insert or replace ``key``; returns what had to be evicted to make room.
 
@@ -154,32 +183,34 @@ class MemoryTier:
         still has to reach L3 unless the caller says otherwise via :meth:`mark_clean`.
         A value larger than the whole tier is not stored; it comes back as evicted.
         ``value`` is kept as it is (``bytes`` or a read-only memoryview; anything else is
-        copied into ``bytes``).
+        copied into ``bytes``). ``group``: the buffer the value lives in when it is not
+        ``value.obj`` (an object with ``nbytes``), accounted like a shared buffer.
         """
         if not isinstance(value, (bytes, memoryview)) or (
             isinstance(value, memoryview) and not value.readonly
         ):
-            value = bytes(value)
+            value, group = bytes(value), None
         old = self._entries.get(key)
         if len(value) > self._high_bytes:
             # Cannot fit even alone: hand it straight back, and drop any older copy.
             evicted = []
             if old is not None:
                 self._remove(key)
-            evicted.append(Evicted(key, value, dirty or key in self._dirty))
+            evicted.append(Evicted(key, value, dirty or key in self._dirty, group))
             self._dirty.discard(key)
             self.num_evictions += 1
             return evicted
+        base = _shared_base(value, group)
         if old is not None:
             self._used -= len(old.value)
-            old_value, old.value = old.value, value
-            self._release(key, old_value)
+            self._release(key, old)
+            old.value, old.group = value, base
             old.pinned = pinned or old.pinned
             self._touch(key, old)
         else:
-            self._entries[key] = _Entry(value, 1, next(self._tick), pinned)
+            self._entries[key] = _Entry(value, 1, next(self._tick), pinned, base)
         self._used += len(value)
-        self._hold(key, value)
+        self._hold(key, value, base)
         if dirty:
             self._dirty.add(key)
         return self._evict_if_needed()
@@ -210,7 +241,7 @@ class MemoryTier:
 
     def clear(self) -> list[Evicted]:
         """Drop everything; dirty entries come back so the caller can write them."""
-        out = [Evicted(k, e.value, k in self._dirty) for k, e in self._entries.items()]
+        out = [Evicted(k, e.value, k in self._dirty, e.group) for k, e in self._entries.items()]
         self._entries.clear()
         self._dirty.clear()
         self._shared.clear()
@@ -228,22 +259,21 @@ class MemoryTier:
         entry = self._entries.pop(key)
         self._used -= len(entry.value)
         self._dirty.discard(key)
-        self._release(key, entry.value)
+        self._release(key, entry)
 
-    def _hold(self, key: str, value) -> None:
-        base = _shared_base(value)
+    def _hold(self, key: str, value, base) -> None:
         if base is None:
             return
         shared = self._shared.get(id(base))
         if shared is None:
-            shared = self._shared[id(base)] = _Shared(base, memoryview(base).nbytes, 0, set())
+            shared = self._shared[id(base)] = _Shared(base, _size_of(base), 0, set())
         shared.live += len(value)
         shared.keys.add(key)
 
-    def _release(self, key: str, value) -> None:
-        """``key`` no longer holds ``value``; compact the buffer it pointed into if that
-        buffer is now mostly dead."""
-        base = _shared_base(value)
+    def _release(self, key: str, entry: _Entry) -> None:
+        """``key`` no longer holds ``entry``'s value; compact the buffer it pointed into
+        if that buffer is now mostly dead."""
+        base, value = entry.group, entry.value
         if base is None:
             return
         shared = self._shared.get(id(base))
@@ -257,8 +287,9 @@ class MemoryTier:
             del self._shared[id(base)]
             self.num_compactions += 1
             for k in shared.keys:
-                entry = self._entries[k]
-                entry.value = bytes(entry.value)  # a dirty write in flight stays dirty
+                other = self._entries[k]
+                other.value = bytes(other.value)  # a dirty write in flight stays dirty
+                other.group = None
 
     def _victims(self) -> Iterable[str]:
         if self.policy == "lru":
@@ -276,7 +307,7 @@ class MemoryTier:
             if self._used <= self._low_bytes:
                 break
             entry = self._entries[key]
-            evicted.append(Evicted(key, entry.value, key in self._dirty))
+            evicted.append(Evicted(key, entry.value, key in self._dirty, entry.group))
             self._remove(key)
             self.num_evictions += 1
         return evicted

@@ -279,15 +279,34 @@ async def test_connector_lookup_load_save_and_bandwidth(dataplane):
     assert await conn.load(tenant, hashes) is None
     conn.save(tenant, hashes, blocks)
     await conn.drain()
+
+    async def handed_off():
+        stats = await dataplane.stats.remote(shard_key=hashes[0])
+        return stats.get("handoff_bytes_ref", 0), stats.get("handoff_bytes_inline", 0)
+
+    nbytes = sum(len(b) for b in blocks)
+    before = await handed_off()
     hit = await conn.lookup(tenant, hashes)
-    assert (hit.num_blocks, hit.tier) == (4, TIER_L2)
+    assert (hit.num_blocks, hit.tier, hit.refs) == (4, TIER_L2, None)
+    # All in L2: the lookup handed over references into the data plane's object-store
+    # copy (nothing copied), and the load that follows uses them without a second call.
+    assert await handed_off() == (before[0] + nbytes, before[1])
     assert await conn.load(tenant, hashes) == blocks
+    assert await handed_off() == (before[0] + nbytes, before[1])
+    # A load with no lookup before it asks for the references itself.
+    assert await conn.load(tenant, hashes) == blocks
+    assert await handed_off() == (before[0] + 2 * nbytes, before[1])
     assert conn.bandwidth_bytes_per_s(TIER_L2) > 0
     assert conn.bandwidth_bytes_per_s(TIER_L3) is None
     await dataplane.flush_l2.remote(shard_key=hashes[0])
     assert (await conn.lookup(tenant, hashes)).tier == TIER_L3
+    assert await handed_off() == (before[0] + 2 * nbytes, before[1])  # no refs from L3
     assert await conn.load(tenant, hashes) == blocks
     assert conn.bandwidth_bytes_per_s(TIER_L3) > 0
+    # Read from Redis once into one object-store copy, which L2 keeps and hands out.
+    assert await handed_off() == (before[0] + 3 * nbytes, before[1])
+    assert await conn.load(tenant, hashes) == blocks
+    assert await handed_off() == (before[0] + 4 * nbytes, before[1])
 
 
 async def test_a_chain_continued_later_stays_on_one_shard(dataplane):
@@ -311,9 +330,9 @@ async def test_a_chain_continued_later_stays_on_one_shard(dataplane):
     conn.save(tenant, hashes[3:], blocks[3:], chain_root=hashes[0])
     await conn.drain()
     # Right away (write-behind runs every 50 ms here): the whole chain, in L2 on the
-    # replica that every lookup of the chain goes to.
-    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])
-    assert (hit.num_blocks, hit.tier) == (6, TIER_L2)
+    # replica that every lookup of the chain goes to, handed over with the lookup.
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0], with_refs=True)
+    assert (hit.num_blocks, hit.tier) == (6, TIER_L2) and hit.refs is not None
     assert (await conn.lookup(tenant, hashes)).num_blocks == 6
     assert await conn.load(tenant, hashes) == blocks
 

@@ -20,6 +20,7 @@ from app.errors import InvalidRequestError
 from app.local_redis import LocalRedis
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, block_arrays, encode_block, pack_blocks
+from deployments.dataplane.connector import resolve_block_refs
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
@@ -167,7 +168,8 @@ def dataplane(url: str) -> DataPlane:
             "redis": {"url": url, "password_env": None},
         }
     })
-    return DataPlane(config.model_dump(mode="json"), enable_metrics=False)
+    # In this process's memory even when an earlier test left Ray running here.
+    return DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
 
 
 async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis_server):
@@ -199,6 +201,13 @@ async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis
         assert (await dp.stats())["get_hits_L3"] == 4
         # The list form hands out bytes.
         assert await dp.get_blocks("io", hashes[:2]) == blocks[:2]
+        # The workers' form: without Ray there is no object-store copy to refer to, so
+        # every block goes inline, and the worker's side reads them back in order.
+        segments = await dp.get_block_refs("io", hashes[:4])
+        assert [type(src) for src, _ in segments] == [list] and segments[0][1] == [0, 1, 2, 3]
+        assert await resolve_block_refs(segments) == blocks[:4]
+        assert (await dp.stats())["handoff_bytes_inline"] == sum(len(b) for b in blocks[:4])
+        assert await dp.get_block_refs("io", hashes) is None
     finally:
         await dp.shutdown()
 

@@ -217,3 +217,42 @@ def test_replacing_a_view_releases_it():
     assert t.num_compactions == 0 and t.held_bytes == 30
     t.put("b", b"other one!")  # the buffer has no view left
     assert t.held_bytes == t.used_bytes == 20
+
+
+class Group:
+    """A named group of separate values (as the data plane's object-store copies are)."""
+
+    def __init__(self, values):
+        self.values = values
+        self.nbytes = sum(len(v) for v in values)
+
+
+def test_values_of_a_named_group_are_accounted_as_one_buffer():
+    t = make_tier(capacity=1000)
+    parts = [memoryview(bytes([i]) * 10).toreadonly() for i in range(4)]
+    group = Group(parts)
+    for i, v in enumerate(parts):
+        t.put(f"k{i}", v, dirty=(i == 3), group=group)
+    assert t.get("k2") is parts[2] and t.group_of("k2") is group
+    assert t.group_of("nope") is None
+    assert t.used_bytes == 40 and t.held_bytes == 40
+    t.delete("k0")
+    t.delete("k1")  # 20 of 40 live: the group stays
+    assert t.num_compactions == 0 and t.held_bytes == 40 and t.group_of("k3") is group
+    t.delete("k2")  # 10 of 40 live: copied out of the group, which is let go
+    assert t.num_compactions == 1 and t.group_of("k3") is None
+    assert type(t.get("k3")) is bytes and t.get("k3") == bytes([3]) * 10
+    assert t.held_bytes == t.used_bytes == 10 and t.dirty == frozenset({"k3"})
+
+
+def test_evictions_and_clear_hand_back_the_group():
+    t = make_tier(capacity=100, high=0.8, low=0.7)
+    parts = [memoryview(bytes(10)).toreadonly() for _ in range(4)]
+    group = Group(parts)
+    for i, v in enumerate(parts):
+        t.put(f"a{i}", v, dirty=True, group=group)
+    evicted = t.put("big", bytes(45))  # 85 > 80: down to <= 70, LRU first
+    assert [e.key for e in evicted] == ["a0", "a1"]
+    assert all(e.group is group and e.dirty and e.value is parts[i] for i, e in enumerate(evicted))
+    (a2,) = [e for e in t.clear() if e.key == "a2"]
+    assert a2.group is group and a2.value is parts[2]  # to be put back as it was

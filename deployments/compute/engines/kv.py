@@ -46,6 +46,9 @@ class PrefixHit:
     # The slowest tier any of those blocks sits in (what bounds the fetch time).
     tier: str = TIER_NONE
     num_bytes: int = 0
+    # When asked for and every block is in L2: the blocks already, as the data plane's
+    # ``get_block_refs`` segments (references, nothing copied), so no second call is needed.
+    refs: Optional[list] = None
 
 
 class CheckedBlocks(list):

@@ -142,8 +142,8 @@ class MemoryTier:
         return None if entry is None else entry.value
 
     def group_of(self, key: str) -> Optional[object]:
-        """The group ``key``'s value was put with, while the value still lives in it
-        (None once copied out, or if it was put without one)."""
+        """What ``key``'s value lives in: the group it was put with, or the buffer a
+        memoryview value views; None for a ``bytes`` value (also once copied out)."""
         entry = self._entries.get(key)
         return None if entry is None else entry.group
 

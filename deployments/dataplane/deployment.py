@@ -433,7 +433,8 @@ class DataPlane:
         group: Optional[_Resident] = None,
     ) -> int:
         # Every block is checked once, here or when read from Redis: L2 holds only
-        # checked blocks, so L2 reads do not check again (the worker checks on decode).
+        # checked blocks, so neither L2 reads nor the worker's decode (CheckedBlocks)
+        # check the checksum again.
         started = time.perf_counter()
         nbytes = sum(len(b) for b in blocks)
         with self._tracer.start_as_current_span(
@@ -524,7 +525,7 @@ class DataPlane:
         """Every block of ``hashes`` in order (L2, else L3 in one MGET, promoting into
         L2), or None if any is missing or corrupt (a corrupt block is deleted from
         Redis). Values are ``bytes`` or read-only memoryviews; blocks read from Redis
-        together are views into the one buffer the socket was read into."""
+        together are copied once into one object (``_own_blocks``), which L2 keeps."""
         await self.start()
         started = time.perf_counter()
         with self._tracer.start_as_current_span(

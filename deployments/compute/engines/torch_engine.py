@@ -481,7 +481,7 @@ class TorchEngine(Engine):
 
     def _encode_export(
         self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor
-    ) -> tuple[str, list[str], list[bytes]]:
+    ) -> tuple[Optional[str], list[str], list[bytes]]:
         """The chain's first hash, and the hashes and stored bytes of its blocks from
         ``first_block`` on (those ``span`` holds)."""
         chain = block_hashes(self.model_id, tenant, token_ids, self.block_size)

@@ -53,7 +53,9 @@ def _say(msg: str) -> None:
     print(f"[multiturn] {msg}", file=sys.stderr, flush=True)
 
 
-def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int, l1: bool = False) -> dict:
+def app_args(
+    model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int, l1: bool = False, keep_freed_memory: bool = True
+) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
     if not l1:
         engine["prefix_cache_bytes"] = 0
@@ -69,6 +71,7 @@ def app_args(model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int,
             "num_replicas": 2,
             "redis": {"url": redis_url},
         },
+        "serve_runtime": {"keep_freed_memory": keep_freed_memory},
     }
 
 
@@ -150,6 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--modes", default="l1,l2,l3,recompute", help="comma-separated subset of l1,l2,l3,recompute")
+    p.add_argument(
+        "--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+        help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -180,7 +187,7 @@ def main(argv=None) -> int:
                 _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1}")
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
-                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads, l1)),
+                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory)),
                     name="bench",
                     route_prefix="/",
                     blocking=False,

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from loadtests.benchmark import format_table, run_level
+from loadtests.benchmark import format_table, run_level, write_report
 
 MODEL_NAME = "bench"
 
@@ -318,10 +318,7 @@ def main(argv=None) -> int:
             f"{f(r['vllm_ttft_p50']):>8}  {f(r['ttft_p50_ours_over_vllm'], 2):>6}"
         )
     print("startup s:", ", ".join(f"{s['system']} r{s['round']} {s['startup_s']}" for s in startups))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    _say(f"stored {out}")
+    _say(f"stored {write_report(args.out, result)}")
     return 0
 
 

@@ -45,7 +45,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from loadtests.benchmark import write_report
 
 # The small model's KV block (app/model_builder.py "small", block_size 16, fp32):
 # layers, kv, kv heads, tokens, head dim.
@@ -371,9 +372,7 @@ def main(argv=None) -> int:
     ratios = {k: statistics.median(r["ratios"][k] for r in results) for k in results[0]["ratios"]}
     report = {"rounds": results, "ratios": ratios, "bounds_gbps": bounds, "worker_wait": worker}
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), **report}, indent=2))
+    _say(f"stored {write_report(args.out, {'args': vars(args), **report})}")
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.benchmark import percentile
+from loadtests.benchmark import percentile, write_report
 from loadtests.multiturn import WORDS, wait_ready
 
 APP = "placement-bench"
@@ -249,15 +249,8 @@ def main(argv=None) -> int:
     }
     print(format_table(summary))
     print(json.dumps(ratios, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"args": vars(args), "summary": summary, "ratios": ratios, "kv_counters": kv, "raw_ttft_s": runs},
-            indent=2,
-        )
-    )
-    _say(f"stored {out}")
+    report = {"args": vars(args), "summary": summary, "ratios": ratios, "kv_counters": kv, "raw_ttft_s": runs}
+    _say(f"stored {write_report(args.out, report)}")
     return 0
 
 

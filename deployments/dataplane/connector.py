@@ -34,6 +34,14 @@ _MAX_REMEMBERED = 4096
 _MAX_STASHED = 16
 
 
+def _remember(entries: OrderedDict, key, value, limit: int) -> None:
+    """``entries[key] = value`` as the newest entry, dropping the oldest past ``limit``."""
+    entries[key] = value
+    entries.move_to_end(key)
+    while len(entries) > limit:
+        entries.popitem(last=False)
+
+
 async def resolve_block_refs(segments) -> list[memoryview]:
     """The blocks of ``DataPlane.get_block_refs``'s answer, in order: each ObjectRef is
     fetched once (mapped from the node's object store without a copy when the data plane
@@ -92,16 +100,10 @@ class DataPlaneKVConnector(KVConnector):
             return PrefixHit(0)
         if hit.num_blocks:
             key = (tenant, hashes[hit.num_blocks - 1])
-            self._tiers[key] = hit.tier
-            self._tiers.move_to_end(key)
-            while len(self._tiers) > _MAX_REMEMBERED:
-                self._tiers.popitem(last=False)
+            _remember(self._tiers, key, hit.tier, _MAX_REMEMBERED)
             if hit.refs is not None:
                 # What load() of exactly this run will use instead of a second call.
-                self._stash[key] = hit.refs
-                self._stash.move_to_end(key)
-                while len(self._stash) > _MAX_STASHED:
-                    self._stash.popitem(last=False)
+                _remember(self._stash, key, hit.refs, _MAX_STASHED)
                 hit.refs = None
         return hit
 

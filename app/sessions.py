@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from app.config import SessionConfig
@@ -105,6 +105,9 @@ class PendingTurn:
     new_messages: list[dict]
     # The session's token count when the request started (the store adds deltas).
     base_num_tokens: int = 0
+    # Names this turn to the data plane, so the append is safe to repeat: made again after
+    # it landed, it answers that success rather than a 409 (see DataPlane.append_turn).
+    turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def fit_history(
@@ -155,10 +158,13 @@ class SessionClient:
     """The ingress side of the sessions API over the DataPlane handle.
 
     Every call survives the death of the data-plane replica that takes it (see
-    ``DEATH_RETRY_BUDGET_S``). A retried call may find its first attempt applied (the
-    replica died after Redis took the write, before it answered): a create then finds its
-    own fresh id taken, an append finds the version one further with its messages at the
-    end, a delete finds nothing; each of those is the call's success, not an error.
+    ``DEATH_RETRY_BUDGET_S``). A call made again may find its first attempt applied (the
+    replica died after Redis took the write, before it answered), whether this client made
+    it again or Ray Serve's router did (it re-sends a call whose replica died before the
+    call's acceptance reached it, which can be after the call ran). So each write is safe
+    to repeat: an append names its turn and the data plane answers a repeat with that
+    turn's success; a create finds its own fresh id taken, which is its success; a delete
+    made again by this client that finds nothing is its success too.
     """
 
     def __init__(self, dataplane, config: SessionConfig, tenant: str = DEFAULT_TENANT):
@@ -182,8 +188,8 @@ class SessionClient:
 
     async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, **kwargs):
         """``self._dp.<op>.remote(*args, **kwargs)``, made again while the replica taking
-        it dies. ``retried``, if given, gets True appended when a retry happened (also
-        when the call then fails: an append's 409 means something else after a retry)."""
+        it dies. ``retried``, if given, gets True appended when this client made the call
+        again (also when the call then fails)."""
         deadline = time.monotonic() + DEATH_RETRY_BUDGET_S
         attempt = 0
         while True:
@@ -218,7 +224,6 @@ class SessionClient:
         ttl = ttl_s or self.config.cache_ttl_s
         # The id is made here so that the call can be routed to the id's shard.
         session_id = f"sess_{uuid.uuid4().hex}"
-        retried: list = []
         try:
             return await self._call(
                 "create_session",
@@ -227,12 +232,10 @@ class SessionClient:
                 session_id=session_id,
                 ttl_s=ttl,
                 shard_key=session_id,
-                retried=retried,
             )
         except ConflictError:
-            if not retried:
-                raise
-            # The id is fresh: only our own first attempt can have taken it.
+            # The id is fresh (122 random bits): only an earlier attempt of this very call
+            # can have taken it, made again by us or by the router.
             record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
             if record is None or record.version != 0:
                 raise
@@ -250,33 +253,19 @@ class SessionClient:
         """Append ``messages``; ``context_tokens`` is the conversation's size in tokens
         after this turn (prompt + reply)."""
         sid = turn.session_id
-        retried: list = []
-        try:
-            return await self._call(
-                "append_turn",
-                sid,
-                self.tenant,
-                sid,
-                turn.expected_version,
-                messages,
-                context_tokens - turn.base_num_tokens,
-                shard_key=sid,
-                retried=retried,
-            )
-        except ConflictError:
-            if not retried:
-                raise  # a turn that raced this one: the client's 409
-            # Applied by the attempt whose replica died before answering? Then the session
-            # is exactly one version further and ends with these messages.
-            record = await self._call("get_session", sid, self.tenant, sid, shard_key=sid)
-            if (
-                record is None
-                or record.version != turn.expected_version + 1
-                or record.messages[-len(messages) :] != messages
-            ):
-                raise
-            logger.info("session %s: the turn was applied before its replica died", sid)
-            return record
+        # A 409 here is a turn that raced this one: after a repeat of this very append the
+        # data plane answers its success (same turn id), never a conflict.
+        return await self._call(
+            "append_turn",
+            sid,
+            self.tenant,
+            sid,
+            turn.expected_version,
+            messages,
+            context_tokens - turn.base_num_tokens,
+            turn_id=turn.turn_id,
+            shard_key=sid,
+        )
 
     async def delete(self, session_id: str) -> bool:
         check_session_id(session_id)

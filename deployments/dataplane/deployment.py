@@ -138,6 +138,10 @@ class _Metrics:
         self.l2_compactions = m.Counter(
             "llm_dataplane_l2_compactions", "Shared L2 buffers copied out because most of their blocks were gone."
         )
+        self.append_replays = m.Counter(
+            "llm_dataplane_session_append_replays",
+            "Session appends made again after they had landed (same turn id), answered as their success.",
+        )
 
     def inc(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
         if self.enabled and value:
@@ -832,12 +836,17 @@ class DataPlane:
         messages: list[dict],
         num_tokens: int,
         *,
+        turn_id: str = "",
         shard_key: Optional[str] = None,
     ) -> SessionRecord:
         """Append ``messages`` if the session is at ``expected_version``; ``num_tokens``
         is what they add to the session's token count. Returns the updated record
         (version + 1). 409 on a version mismatch, 404 if absent or expired. The turn is
-        in Redis when this returns (unless degraded: then in memory, synced later)."""
+        in Redis when this returns (unless degraded: then in memory, synced later).
+
+        ``turn_id`` makes the call safe to repeat: made again after it landed (its
+        answer lost with a dying replica or connection, the caller or Ray Serve's router
+        sends it again), it returns the record that turn made instead of a 409."""
         await self.start()
         key = (tenant, session_id)
         max_messages = self._cfg.sessions.max_messages
@@ -850,9 +859,10 @@ class DataPlane:
                 messages,
                 num_tokens,
                 max_messages=max_messages,
+                turn_id=turn_id,
             )
         except RedisUnavailable:
-            return self._append_in_memory(tenant, session_id, expected_version, messages, num_tokens)
+            return self._append_in_memory(tenant, session_id, expected_version, messages, num_tokens, turn_id)
         if result.status == "missing":
             self._sessions.pop(key, None)
             raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
@@ -864,11 +874,18 @@ class DataPlane:
                 f"the limit of {max_messages}",
                 param="messages",
             )
+        if result.replayed:
+            self._m.inc("append_replays")
+            logger.info(
+                "DataPlane: session %s turn %s was already applied at version %d; answering "
+                "its success again", session_id, turn_id, result.version,
+            )
         cached = self._sessions.get(key)
-        if cached is not None and cached.version == expected_version:
+        if cached is not None and cached.version == expected_version and not result.replayed:
             cached.messages.extend(messages)
             cached.num_tokens += num_tokens
             cached.version = result.version
+            cached.last_turn_id = turn_id
             cached.expires_at = time.time() + cached.ttl_s
             self._sessions.move_to_end(key)
             return _copy(cached)
@@ -887,13 +904,22 @@ class DataPlane:
         )
 
     def _append_in_memory(
-        self, tenant: str, session_id: str, expected_version: int, messages: list[dict], num_tokens: int
+        self,
+        tenant: str,
+        session_id: str,
+        expected_version: int,
+        messages: list[dict],
+        num_tokens: int,
+        turn_id: str,
     ) -> SessionRecord:
         # No await in here: the check and the write are atomic on this replica's loop.
         rec = self._memory_session(tenant, session_id)
         if rec is None:
             raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
         if rec.version != expected_version:
+            if turn_id and rec.version == expected_version + 1 and rec.last_turn_id == turn_id:
+                self._m.inc("append_replays")
+                return _copy(rec)
             raise self._conflict(session_id, expected_version, rec.version)
         if len(rec.messages) + len(messages) > self._cfg.sessions.max_messages:
             raise InvalidRequestError(
@@ -904,6 +930,7 @@ class DataPlane:
         rec.messages.extend(messages)
         rec.num_tokens += num_tokens
         rec.version += 1
+        rec.last_turn_id = turn_id
         rec.expires_at = time.time() + rec.ttl_s
         self._dirty_sessions.add((tenant, session_id))
         return _copy(rec)

@@ -6,10 +6,13 @@ script, a wrong type) are bugs and propagate.
 
 Session records are one hash per session::
 
-    tenant, messages (JSON array), num_messages, num_tokens, version, created, expires, ttl_s
+    tenant, messages (JSON array), num_messages, num_tokens, version, created, expires, ttl_s,
+    last_turn (the id of the turn that made ``version``; absent before the first append)
 
 and every change is a single Lua script, so a record is never half-written and an append
-is one atomic compare-and-set on ``version``.
+is one atomic compare-and-set on ``version``. An append names its turn: made again with
+the same turn id after it landed (a retry whose first answer was lost), it reports that
+success instead of a conflict, so a retry can neither duplicate a turn nor fail one.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _unavailable(fn):
     re-dials the one it is using, so a call can still fail on the next stale one. On a
     connection error we drop the idle pooled connections and try once more. Retrying is
     safe for every call here: writes are idempotent (SET, DEL, SADD) or compare-and-set
-    (an append that did land the first time then reports a conflict, never a duplicate).
+    (an append that did land the first time reports itself applied, never a duplicate).
     """
 
     @functools.wraps(fn)
@@ -75,15 +78,21 @@ def _unavailable(fn):
 class AppendResult:
     status: str  # "ok" | "conflict" | "missing" | "too_many_messages"
     version: int = 0  # the new version ("ok") or the current one ("conflict")
-    record: Optional[SessionRecord] = None
+    # "ok" because this turn id had already been applied (nothing written this time).
+    replayed: bool = False
 
 
 _APPEND = """
 -- KEYS[1] session; ARGV: expected_version, new messages (JSON array), num new messages,
--- added tokens, now, max_messages
+-- added tokens, now, max_messages, turn id ('' for none)
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
 local v = tonumber(redis.call('HGET', KEYS[1], 'version'))
-if v ~= tonumber(ARGV[1]) then return {-2, v} end
+if v ~= tonumber(ARGV[1]) then
+  -- This very turn, already applied (its first answer was lost): its success again.
+  if ARGV[7] ~= '' and v == tonumber(ARGV[1]) + 1
+     and redis.call('HGET', KEYS[1], 'last_turn') == ARGV[7] then return {v, 1} end
+  return {-2, v}
+end
 local n = tonumber(redis.call('HGET', KEYS[1], 'num_messages')) + tonumber(ARGV[3])
 if n > tonumber(ARGV[6]) then return {-3, n} end
 local old = redis.call('HGET', KEYS[1], 'messages')
@@ -97,7 +106,7 @@ else merged = string.sub(old, 1, -2) .. ',' .. string.sub(new, 2) end
 local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_s'))
 local tokens = tonumber(redis.call('HGET', KEYS[1], 'num_tokens')) + tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], 'messages', merged, 'num_messages', n, 'num_tokens', tokens,
-           'version', v + 1, 'expires', tonumber(ARGV[5]) + ttl)
+           'version', v + 1, 'expires', tonumber(ARGV[5]) + ttl, 'last_turn', ARGV[7])
 redis.call('EXPIRE', KEYS[1], ttl)
 return {v + 1, 0}
 """
@@ -146,12 +155,15 @@ def _record_fields(rec: SessionRecord) -> dict[str, str]:
         "created": repr(rec.created),
         "expires": repr(rec.expires_at),
         "ttl_s": str(rec.ttl_s),
+        "last_turn": rec.last_turn_id,
     }
 
 
 def _record_from(session_id: str, fields: dict) -> SessionRecord:
-    def s(name: str) -> str:
-        v = fields[name.encode()] if name.encode() in fields else fields[name]
+    def s(name: str, default: Optional[str] = None) -> str:
+        v = fields.get(name.encode(), fields.get(name, default))
+        if v is None:
+            raise KeyError(name)
         return v.decode() if isinstance(v, bytes) else v
 
     return SessionRecord(
@@ -163,6 +175,7 @@ def _record_from(session_id: str, fields: dict) -> SessionRecord:
         created=float(s("created")),
         expires_at=float(s("expires")),
         ttl_s=int(s("ttl_s")),
+        last_turn_id=s("last_turn", ""),  # absent in records written before turn ids
     )
 
 
@@ -367,9 +380,12 @@ class RedisStore:
         num_tokens: int,
         *,
         max_messages: int = 1 << 30,
+        turn_id: str = "",
     ) -> AppendResult:
         """Atomically append if the stored version equals ``expected_version``.
-        ``num_tokens``: the tokens the new messages add to the session's count."""
+        ``num_tokens``: the tokens the new messages add to the session's count. With a
+        ``turn_id``, an append that already landed under that id answers ``ok`` again
+        (``replayed``) instead of ``conflict``."""
         code, extra = await self._append(
             keys=[keys.session_key(tenant, session_id)],
             args=[
@@ -379,6 +395,7 @@ class RedisStore:
                 int(num_tokens),
                 self._clock(),
                 max_messages,
+                turn_id,
             ],
         )
         code, extra = int(code), int(extra)
@@ -388,7 +405,7 @@ class RedisStore:
             return AppendResult("conflict", version=extra)
         if code == -3:
             return AppendResult("too_many_messages", version=extra)
-        return AppendResult("ok", version=code)
+        return AppendResult("ok", version=code, replayed=bool(extra))
 
     @_unavailable
     async def put_session_if_newer(self, rec: SessionRecord) -> bool:

@@ -25,6 +25,9 @@ class SessionRecord:
     # Unix time after which the session is gone unless used again (each use refreshes).
     expires_at: float = 0.0
     ttl_s: int = 0
+    # The id of the turn that made ``version`` (empty before the first append): an append
+    # made again with the same id after it landed is that turn's success, not a conflict.
+    last_turn_id: str = ""
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at

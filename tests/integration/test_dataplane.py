@@ -155,6 +155,32 @@ async def test_racing_appends_one_wins_and_no_turn_is_lost(dataplane):
     assert final.version == n and final.num_tokens == n
 
 
+async def test_an_append_made_again_after_it_landed_is_its_success_not_a_409(dataplane, redis_client):  # noqa: F811
+    # A call whose replica died after Redis took the write is sent again (by the
+    # SessionClient, or by Serve's router when the acceptance was lost): same turn id.
+    tenant = tenant_name()
+    sid = (await new_session(dataplane, tenant)).id
+    turn = [{"role": "user", "content": "once"}, {"role": "assistant", "content": "only"}]
+    first = await dataplane.append_turn.remote(tenant, sid, 0, turn, 5, turn_id="turn-a", shard_key=sid)
+    again = await dataplane.append_turn.remote(tenant, sid, 0, turn, 5, turn_id="turn-a", shard_key=sid)
+    assert (again.version, again.messages, again.num_tokens) == (1, turn, 5) == (
+        first.version, first.messages, first.num_tokens
+    )
+    stored = redis_client.hgetall(keys.session_key(tenant, sid))
+    assert int(stored[b"version"]) == 1 and stored[b"last_turn"] == b"turn-a"
+    # Another turn on the same version is still the race it is.
+    with pytest.raises(ConflictError):
+        await dataplane.append_turn.remote(tenant, sid, 0, turn, 5, turn_id="turn-b", shard_key=sid)
+    with pytest.raises(ConflictError):  # and so is an anonymous one
+        await dataplane.append_turn.remote(tenant, sid, 0, turn, 5, shard_key=sid)
+    # Once a later turn landed, the old id no longer matches: a stale repeat is a conflict.
+    await dataplane.append_turn.remote(tenant, sid, 1, [{"role": "user", "content": "2"}], 1, turn_id="turn-c", shard_key=sid)
+    with pytest.raises(ConflictError):
+        await dataplane.append_turn.remote(tenant, sid, 0, turn, 5, turn_id="turn-a", shard_key=sid)
+    got = await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+    assert got.version == 2 and [m["content"] for m in got.messages] == ["once", "only", "2"]
+
+
 async def test_session_expires_after_ttl(dataplane, redis_client):  # noqa: F811
     tenant = tenant_name()
     sid = (await new_session(dataplane, tenant, ttl_s=1)).id
@@ -359,13 +385,20 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
     redis_server.stop()
     try:
         version = 1
-        for i in range(5):  # traffic keeps succeeding while Redis is gone
+        for i in range(4):  # traffic keeps succeeding while Redis is gone
             rec = await dataplane.append_turn.remote(
                 tenant, sid, version, [{"role": "user", "content": f"during-{i}"}], 1, shard_key=sid
             )
             version = rec.version
         with pytest.raises(ConflictError):  # CAS still holds in memory
             await dataplane.append_turn.remote(tenant, sid, 1, [{"role": "user", "content": "x"}], 1, shard_key=sid)
+        # A repeat of the last turn (same id) is its success in memory too, applied once.
+        last = [{"role": "user", "content": "during-5"}]
+        rec = await dataplane.append_turn.remote(tenant, sid, 5, last, 1, turn_id="t5", shard_key=sid)
+        again = await dataplane.append_turn.remote(tenant, sid, 5, last, 1, turn_id="t5", shard_key=sid)
+        assert rec.version == again.version == 6 and again.messages[-1] == last[0]
+        with pytest.raises(ConflictError):
+            await dataplane.append_turn.remote(tenant, sid, 5, last, 1, turn_id="t6", shard_key=sid)
         created = await new_session(dataplane, tenant)
         await dataplane.put_blocks.remote(tenant, hashes, blocks, shard_key=hashes[0])
         assert await dataplane.get_blocks.remote(tenant, hashes, shard_key=hashes[0]) == blocks
@@ -386,7 +419,8 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
     await wait_for(recovered, 30)
     stored = redis_client.hgetall(keys.session_key(tenant, sid))
     assert int(stored[b"version"]) == 6
-    assert b"during-4" in stored[b"messages"] and b"before" in stored[b"messages"]
+    assert b"during-5" in stored[b"messages"] and b"before" in stored[b"messages"]
+    assert stored[b"messages"].count(b"during-5") == 1 and stored[b"last_turn"] == b"t5"
     assert redis_client.exists(keys.session_key(tenant, created.id))
     for h, b in zip(hashes, blocks):
         assert redis_client.get(keys.block_key(tenant, h)) == b

@@ -36,6 +36,17 @@ class _Method:
         return run()
 
 
+class _Recording:
+    """A scripted failure that also notes the turn id the call carried."""
+
+    def __init__(self, error: BaseException, seen: list):
+        self.error, self.seen = error, seen
+
+    def __call__(self, *args, **kwargs):
+        self.seen.append(kwargs["turn_id"])
+        raise self.error
+
+
 class FakeDataPlane:
     def __init__(self, **methods):
         for name, script in methods.items():
@@ -89,31 +100,31 @@ MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"
 TURN = PendingTurn(session_id=SID, expected_version=2, new_messages=MSGS[:1])
 
 
-def test_append_applied_before_the_death_is_a_success():
-    # Attempt 1 reached Redis, then its replica died; attempt 2 finds the version moved.
-    applied = record(3, [{"role": "user", "content": "old"}, *MSGS])
-    dp = FakeDataPlane(
-        append_turn=[rex.ActorDiedError(), ConflictError("version 3, expected 2")],
-        get_session=[applied],
-    )
-    assert asyncio.run(client(dp).append(TURN, MSGS, 10)) is applied
+def test_an_append_made_again_names_the_same_turn():
+    # The data plane answers a repeat of a landed turn with its success only if the
+    # repeat carries the first attempt's turn id: every attempt must send the same one.
+    seen = []
+
+    def applied(*args, **kwargs):
+        seen.append(kwargs["turn_id"])
+        return record(3, [*MSGS])
+
+    dp = FakeDataPlane(append_turn=[_Recording(rex.ActorDiedError(), seen), applied])
+    assert asyncio.run(client(dp).append(TURN, MSGS, 10)).version == 3
+    assert len(seen) == 2 and seen[0] == seen[1] == TURN.turn_id
+    other = PendingTurn(session_id=SID, expected_version=2, new_messages=MSGS[:1])
+    assert other.turn_id != TURN.turn_id  # each turn has its own
 
 
-def test_append_conflict_without_a_retry_stays_409():
-    # Same messages at the end, but nothing died: another request raced this turn.
-    dp = FakeDataPlane(append_turn=[ConflictError("version 3")], get_session=[record(3, MSGS)])
-    with pytest.raises(ConflictError):
-        asyncio.run(client(dp).append(TURN, MSGS, 10))
-    assert dp.get_session.calls == 0
-
-
-def test_append_conflict_after_a_retry_with_other_messages_stays_409():
-    dp = FakeDataPlane(
-        append_turn=[rex.ActorDiedError(), ConflictError("version 3")],
-        get_session=[record(3, [{"role": "user", "content": "someone else"}])],
-    )
-    with pytest.raises(ConflictError):
-        asyncio.run(client(dp).append(TURN, MSGS, 10))
+def test_an_append_conflict_is_the_clients_409_and_nothing_is_guessed():
+    # The data plane already answered a repeat of this very turn with its success, so a
+    # conflict is another turn's: passed on, even after a retry, without reading the
+    # session to guess.
+    for script in ([ConflictError("version 3")], [rex.ActorDiedError(), ConflictError("version 3")]):
+        dp = FakeDataPlane(append_turn=script, get_session=[record(3, MSGS)])
+        with pytest.raises(ConflictError):
+            asyncio.run(client(dp).append(TURN, MSGS, 10))
+        assert dp.get_session.calls == 0
 
 
 def test_create_whose_first_attempt_applied_returns_the_session():
@@ -126,6 +137,13 @@ def test_create_whose_first_attempt_applied_returns_the_session():
     )
     rec = asyncio.run(client(dp).create())
     assert rec.version == 0 and rec.id.startswith("sess_")
+    # Serve's router may have made it again itself (no error reached us): the same.
+    dp = FakeDataPlane(create_session=[ConflictError("exists")], get_session=[fresh])
+    assert asyncio.run(client(dp).create()).version == 0
+    # But a taken id holding turns is not ours: the 409 stands.
+    dp = FakeDataPlane(create_session=[ConflictError("exists")], get_session=[record(1, MSGS)])
+    with pytest.raises(ConflictError):
+        asyncio.run(client(dp).create())
 
 
 def test_delete_whose_first_attempt_applied_is_a_success():

@@ -4,10 +4,17 @@ Layout (little-endian)::
 
     magic  b"KVB1"            4 bytes
     header_len                u32   length of the JSON header that follows
-    header                    JSON  {"v": 1, "dtype": "float32", "shape": [...],
+    header                    JSON  {"v": 2, "dtype": "float32", "shape": [...],
                                      "layout": "layers,kv,heads,tokens,head_dim",
-                                     "crc32": <of the payload>, "nbytes": <payload length>}
+                                     "xxh3": <XXH3-64 of the payload>,
+                                     "nbytes": <payload length>}
     payload                   nbytes bytes, C-contiguous
+
+Format 1 is the same with ``"crc32"`` (zlib's) in place of ``"xxh3"``; it is still read
+(blocks in Redis written before format 2) and no longer written. XXH3 is the checksum
+because every byte of every block is hashed on the hot paths (a worker's export, the data
+plane's check of each put and each Redis read): it runs at ~60 GB/s on this 2-core VM
+against zlib.crc32's ~4.3 (256 KiB blocks), and catches the same accidental corruption.
 
 The data plane never interprets the payload; it only checks the header and checksum, so
 it needs no torch. A block that fails any check is a miss (``CorruptBlockError``), never
@@ -21,8 +28,12 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import xxhash
+
 MAGIC = b"KVB1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Per format version: the header key of the payload checksum, and its function.
+_CHECKSUMS = {1: ("crc32", zlib.crc32), 2: ("xxh3", xxhash.xxh3_64_intdigest)}
 DEFAULT_LAYOUT = "layers,kv,heads,tokens,head_dim"
 _PREFIX = struct.Struct("<4sI")
 _MAX_HEADER = 4096
@@ -43,13 +54,16 @@ class BlockHeader:
 def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
     """The stored bytes of one block (one copy of the payload)."""
     payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    if header.version not in _CHECKSUMS:
+        raise ValueError(f"unsupported block format version {header.version}")
+    checksum_key, checksum = _CHECKSUMS[header.version]
     meta = json.dumps(
         {
             "v": header.version,
             "dtype": header.dtype,
             "shape": list(header.shape),
             "layout": header.layout,
-            "crc32": zlib.crc32(payload),
+            checksum_key: checksum(payload),
             "nbytes": len(payload),
         },
         separators=(",", ":"),
@@ -77,15 +91,19 @@ def decode_block(data: bytes | memoryview, *, verify: bool = True) -> tuple[Bloc
             layout=str(meta["layout"]),
             version=int(meta["v"]),
         )
-        crc, nbytes = int(meta["crc32"]), int(meta["nbytes"])
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptBlockError(f"bad header: {e}") from None
-    if header.version != FORMAT_VERSION:
+    if header.version not in _CHECKSUMS:
         raise CorruptBlockError(f"unsupported block format version {header.version}")
+    checksum_key, checksum = _CHECKSUMS[header.version]
+    try:
+        expected, nbytes = int(meta[checksum_key]), int(meta["nbytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptBlockError(f"bad header: {e}") from None
     payload = view[_PREFIX.size + header_len :]
     if len(payload) != nbytes:
         raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {nbytes}")
-    if verify and zlib.crc32(payload) != crc:
+    if verify and checksum(payload) != expected:
         raise CorruptBlockError("payload checksum mismatch")
     return header, payload
 

@@ -187,7 +187,7 @@ async def test_corrupted_payload_is_a_miss_and_output_is_exact(world, redis_clie
     h = _hashes(ids)[1]
     key = keys.block_key("default", h)
     data = bytearray(redis_client.get(key))
-    data[-7] ^= 0xFF  # one payload byte: the crc32 no longer matches
+    data[-7] ^= 0xFF  # one payload byte: the checksum no longer matches
     redis_client.set(key, bytes(data), keepttl=True)
     out, _ = await _run(world["b"], ids, 16)
     assert out == world["ref"]["corrupt"]

@@ -85,7 +85,7 @@ def test_corrupted_payload_byte_is_corrupt():
 
 def test_checked_blocks_skip_only_the_checksum():
     # Blocks a store has checked since they were written (CheckedBlocks): decoding them
-    # skips the crc32 pass, and nothing else.
+    # skips the checksum pass, and nothing else.
     span = rand_block(shape=(2, 2, 3, 8, 8), seed=5)
     blocks = [memoryview(b).toreadonly() for b in encode_kv_blocks(span, block_size=4)]
     out = decode_kv_blocks(blocks, dtype=torch.float32, shape=SHAPE, verify=False)
@@ -234,6 +234,41 @@ def test_encode_block_accepts_views_and_checks_them():
     damaged[-1] ^= 1
     with pytest.raises(CorruptBlockError, match="checksum"):
         check_block(damaged)
+
+
+def test_format_2_writes_xxh3_and_format_1_blocks_are_still_read():
+    import json
+    import zlib
+
+    import xxhash
+
+    from deployments.dataplane.blocks import FORMAT_VERSION, check_block
+
+    payload = bytes(range(256)) * 4
+
+    def meta(block: bytes) -> dict:
+        n = int.from_bytes(block[4:8], "little")
+        return json.loads(block[8 : 8 + n])
+
+    new = encode_block(BlockHeader("uint8", (1024,)), payload)
+    assert FORMAT_VERSION == 2
+    assert meta(new)["v"] == 2 and meta(new)["xxh3"] == xxhash.xxh3_64_intdigest(payload)
+    assert "crc32" not in meta(new)
+    # A block written before format 2 (in Redis across an upgrade) reads and checks as before.
+    old = encode_block(BlockHeader("uint8", (1024,), version=1), payload)
+    assert meta(old)["v"] == 1 and meta(old)["crc32"] == zlib.crc32(payload)
+    assert check_block(old) == 1024 and decode_block(old)[0].version == 1
+    damaged = bytearray(old)
+    damaged[-1] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        check_block(damaged)
+    # A header naming another version's checksum, or a version nobody wrote, is corrupt.
+    with pytest.raises(CorruptBlockError, match="bad header"):
+        check_block(old.replace(b'"v":1', b'"v":2', 1))
+    with pytest.raises(CorruptBlockError, match="unsupported block format version 3"):
+        check_block(new.replace(b'"v":2', b'"v":3', 1))
+    with pytest.raises(ValueError, match="unsupported"):
+        encode_block(BlockHeader("uint8", (1024,), version=3), payload)
 
 
 def test_block_arrays_view_the_blocks_without_a_copy():

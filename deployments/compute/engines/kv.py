@@ -52,7 +52,7 @@ class PrefixHit:
 
 
 class CheckedBlocks(list):
-    """Blocks a store hands over already checked (header and crc32), each one since it
+    """Blocks a store hands over already checked (header and checksum), each one since it
     was last written: the data plane checks every block on its way in, from a worker or
     from Redis, and then holds it in read-only memory. The engine still checks each
     header against its model (dtype, shape, layout) but skips the checksum pass."""

@@ -23,7 +23,7 @@ Contract
   Each step, blocks that became full (prompt or generated tokens) and that Redis lacked
   are scheduled for saving.
 * Worker: ``start_load_kv`` (before the forward, vLLM's synchronous-load path) MGETs the
-  payloads, checks each (``blocks.decode_block``: magic, version, length, crc32) and its
+  payloads, checks each (``blocks.decode_block``: magic, version, length, checksum) and its
   header against this engine's (dtype, shape, layout) and copies it into the paged cache;
   a failure marks that block and the request's later ones invalid
   (``get_block_ids_with_load_errors``) and vLLM, with ``kv_load_failure_policy=

@@ -66,6 +66,45 @@ async def test_mget_packed_matches_redis_py(redis_server):
         await client.aclose()
 
 
+async def test_a_large_mget_goes_in_pieces_on_one_connection_and_reads_the_same(redis_server, monkeypatch):
+    from deployments.dataplane import resp
+
+    client, raw = raw_client(redis_server.url)
+    sent: list[int] = []
+    real_send = resp._Conn.send
+
+    async def counting_send(self, buffers):
+        sent.append(sum(len(b) for b in buffers))
+        return await real_send(self, buffers)
+
+    monkeypatch.setattr(resp._Conn, "send", counting_send)
+    try:
+        values = {f"io:p{i}": os.urandom(100_000 + 997 * i) for i in range(12)}
+        values["io:p5"] = b""
+        await client.mset(values)
+        names = [f"io:p{i}" for i in range(12)]
+        names[3:3] = ["io:absent"]  # a nil in the middle of a piece
+        expected = await client.mget(names)
+        monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 250_000)  # ~2 values a piece
+        data, lengths = await raw.mget_packed(names)
+        assert lengths == [None if v is None else len(v) for v in expected]
+        assert bytes(data) == b"".join(v for v in expected if v is not None)
+        assert len(sent) >= 5, sent  # pieces, not one MGET
+        # Shared among concurrent calls: each piece gets smaller, and all stay in step.
+        sent.clear()
+        results = await asyncio.gather(*(raw.mget_packed(names) for _ in range(4)))
+        assert all(bytes(d) == bytes(data) and ls == lengths for d, ls in results)
+        assert len(sent) >= 4 * 8, sent
+        # With a budget larger than the whole read, it is one MGET as before.
+        monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 1 << 30)
+        sent.clear()
+        data2, lengths2 = await raw.mget_packed(names)
+        assert (bytes(data2), lengths2) == (bytes(data), lengths) and len(sent) == 1
+    finally:
+        raw.close()
+        await client.aclose()
+
+
 async def test_pipeline_sends_views_and_returns_error_replies_in_place(redis_server):
     client, raw = raw_client(redis_server.url)
     try:

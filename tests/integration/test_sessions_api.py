@@ -167,6 +167,30 @@ def test_delete_then_404_and_turns_rejected(served_app):
     assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 404
 
 
+def test_delete_erases_the_sessions_kv_blocks_from_redis(served_app, redis_client):
+    # The blocks a session's turns computed are listed under it (by the torch engine's
+    # export through the data plane, by vLLM's connector directly) and go with it.
+    from deployments.dataplane import keys
+
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    long_turn = " ".join(f"word{i}" for i in range(60))  # several blocks of either engine
+    turn(client, served_app.model_id, sid, long_turn, max_tokens=4)
+    listed = keys.session_blocks_key("default", sid)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not redis_client.scard(listed):
+        time.sleep(0.1)  # exported after the reply, written behind every 50 ms
+    members = [m.decode() for m in redis_client.smembers(listed)]
+    assert members, "the session's blocks were not listed under it"
+    block_keys = [keys.block_key("default", keys.split_session_block_member(m)[1]) for m in members]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and redis_client.exists(*block_keys) < len(block_keys):
+        time.sleep(0.1)
+    assert redis_client.exists(*block_keys) == len(block_keys)
+    assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
+    assert redis_client.exists(*block_keys) == 0 and not redis_client.exists(listed)
+
+
 def test_unknown_and_malformed_session_ids(served_app):
     assert get_session(served_app, "sess_" + "0" * 32).status_code == 404
     r = get_session(served_app, "not-a-session")

@@ -154,7 +154,9 @@ async def test_second_turn_prefills_only_the_new_suffix(engine, plain):
     # The conversation continues: turn 1's prompt and answer, then a new user message.
     turn2 = turn1 + out1 + encode(engine, " and then what happened to the worker")[1:]
     before = engine.kv_stats()
-    out2 = await run_and_export(engine, make_request("t2", turn2, max_tokens=10))
+    request2 = make_request("t2", turn2, max_tokens=10)
+    request2.session_id = "sess_" + "e" * 32
+    out2 = await run_and_export(engine, request2)
     after = engine.kv_stats()
     # Everything turn 1 cached (its prompt and all but its last output token) is reused.
     hit = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
@@ -168,6 +170,8 @@ async def test_second_turn_prefills_only_the_new_suffix(engine, plain):
     # ...and named the chain's first block, so a sharded store keeps the continuation on
     # the shard where lookups of the whole chain go.
     assert engine._kv.chain_roots[-1] == all_hashes[0] != all_hashes[hit // BLOCK]
+    # ...and its session, which lists them so that deleting the session erases them.
+    assert engine._kv.session_ids[-2:] == [None, "sess_" + "e" * 32]
 
 
 @pytest.mark.asyncio

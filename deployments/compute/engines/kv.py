@@ -76,13 +76,20 @@ class KVConnector(abc.ABC):
 
     @abc.abstractmethod
     def save(
-        self, tenant: str, hashes: list[str], blocks: list[bytes], *, chain_root: Optional[str] = None
+        self,
+        tenant: str,
+        hashes: list[str],
+        blocks: list[bytes],
+        session_id: Optional[str] = None,
+        *,
+        chain_root: Optional[str] = None,
     ) -> None:
         """Store encoded blocks; returns at once (write-behind), errors are logged.
-        ``hashes`` may continue a chain stored earlier (a session's next turn exports
-        only its new blocks): ``chain_root`` is then the chain's first hash (default
-        ``hashes[0]``), which a sharded store uses to keep the whole chain together, on
-        the shard its lookups go to."""
+        ``session_id``: the session whose turn computed them, which lists them so that
+        deleting the session erases them. ``hashes`` may continue a chain stored earlier
+        (a session's next turn exports only its new blocks): ``chain_root`` is then the
+        chain's first hash (default ``hashes[0]``), which a sharded store uses to keep
+        the whole chain together, on the shard its lookups go to."""
 
     def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
         """Feed the bandwidth estimate of a tier (optional)."""

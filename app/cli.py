@@ -50,26 +50,41 @@ def wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
-def start_embedded_redis(config: "AppConfig", state_dir: Path):
-    """Start a local redis-server for the data plane when its configured URL is a loopback
-    address nobody answers on. Its AOF lives in ``state_dir``, so sessions survive restarts."""
+def start_embedded_redis(config: "AppConfig", state_dir: Path, kv_max_memory: str = "2gb") -> list:
+    """Start a local redis-server for each of the data plane's Redis URLs (sessions, and
+    KV blocks when ``dataplane.kv_redis`` names another) that is a loopback address
+    nobody answers on. The sessions' server keeps its AOF in ``state_dir``, so sessions
+    survive restarts; the KV blocks' server is a cache (no persistence, ``kv_max_memory``
+    at most, least recently used blocks evicted). Returns the servers started."""
     from urllib.parse import urlparse
 
     from app.local_redis import LocalRedis, _ping
 
     if not config.dataplane.enabled:
-        return None
-    url = urlparse(config.dataplane.redis.url)
-    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return None
-    port = url.port or 6379
-    if _ping(port):
-        _say(f"using the Redis already listening on 127.0.0.1:{port}")
-        return None
-    data_dir = state_dir / f"redis-{port}"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    _say(f"starting redis-server on 127.0.0.1:{port} (AOF everysec in {data_dir})")
-    return LocalRedis(port, data_dir=data_dir).start()
+        return []
+    started = []
+    wanted = [(config.dataplane.redis, None)]
+    if config.dataplane.kv_redis is not None:
+        wanted.append((config.dataplane.kv_redis, kv_max_memory))
+    for cfg, cache_max_memory in wanted:
+        url = urlparse(cfg.url)
+        if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+            continue
+        port = url.port or 6379
+        if any(r.port == port for r in started):
+            continue  # kv_redis names the same server
+        if _ping(port):
+            _say(f"using the Redis already listening on 127.0.0.1:{port}")
+            continue
+        data_dir = state_dir / f"redis-{port}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        if cache_max_memory:
+            _say(f"starting redis-server on 127.0.0.1:{port} for KV blocks (a cache: no "
+                 f"persistence, maxmemory {cache_max_memory}, allkeys-lru)")
+        else:
+            _say(f"starting redis-server on 127.0.0.1:{port} (AOF everysec in {data_dir})")
+        started.append(LocalRedis(port, data_dir=data_dir, cache_max_memory=cache_max_memory).start())
+    return started
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     _say(f"validating {args.config} and preparing the model")
     app_args = app_doc.get("args") or {}
     application = build_app(app_args)
-    redis = start_embedded_redis(AppConfig.model_validate(app_args), Path(args.state_dir))
+    redis_servers = start_embedded_redis(
+        AppConfig.model_validate(app_args), Path(args.state_dir), args.kv_redis_max_memory
+    )
 
     _say(f"starting Ray (num_cpus={args.num_cpus})")
     use_serve_process_env()
@@ -108,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if not wait_ready(url, timeout_s=args.ready_timeout_s):
         _say(f"the service did not become ready within {args.ready_timeout_s}s")
         serve.shutdown()
-        if redis is not None:
-            redis.stop()
+        for r in redis_servers:
+            r.stop()
         return 1
     _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
 
@@ -121,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
     _say("shutting down")
     serve.shutdown()
     ray.shutdown()
-    if redis is not None:
-        redis.stop()
+    for r in redis_servers:
+        r.stop()
     return 0
 
 
@@ -140,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--ready-timeout-s", type=float, default=600)
     p_run.add_argument(
         "--state-dir", default=".state", help="where the embedded Redis keeps its data"
+    )
+    p_run.add_argument(
+        "--kv-redis-max-memory",
+        default="2gb",
+        help="memory cap of the embedded KV-block Redis (dataplane.kv_redis), a cache",
     )
     p_run.add_argument("--verbose", action="store_true", help="stream replica logs here")
     args = parser.parse_args(argv)

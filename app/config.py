@@ -432,7 +432,19 @@ class DataPlaneConfig(_Strict):
         default=200, ge=1, le=600_000, description="Write-behind period from L2 to Redis."
     )
     kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
-    redis: RedisConfig = Field(default_factory=RedisConfig)
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description="The durable Redis (AOF): session records, and KV blocks too unless "
+        "`kv_redis` names another server.",
+    )
+    kv_redis: Optional[RedisConfig] = Field(
+        default=None,
+        description="A separate Redis for the L3 KV blocks, run as a cache: no "
+        "persistence, `maxmemory` with `allkeys-lru`. Blocks are a cache that can always "
+        "be recomputed, and they are most of the bytes: in the durable Redis they would "
+        "go through its AOF and grow its memory without bound, and a full server would "
+        "refuse session writes. An evicted block is a miss. None: blocks share `redis`.",
+    )
     sessions: SessionConfig = Field(default_factory=SessionConfig)
 
     @model_validator(mode="after")

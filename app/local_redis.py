@@ -2,7 +2,9 @@
 
 Used by the tests and by the run CLI (development): its own temporary directory, AOF on
 (``appendfsync everysec``) so :meth:`LocalRedis.restart` brings the data back, no RDB
-snapshots unless asked. Install the binary with ``scripts/install_redis.sh``.
+snapshots unless asked. ``cache_max_memory`` makes it a cache instead, the kind the KV
+blocks want (``dataplane.kv_redis``): no persistence, at most that much memory, least
+recently used keys evicted. Install the binary with ``scripts/install_redis.sh``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class LocalRedis:
         binary: Optional[str] = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout_s: float = 20.0,
+        cache_max_memory: Optional[str] = None,
     ):
         self.port = port or _free_port()
         self._own_dir = data_dir is None
@@ -59,6 +62,7 @@ class LocalRedis:
         self._binary = binary or shutil.which("redis-server")
         self._extra_args = tuple(extra_args)
         self._startup_timeout_s = startup_timeout_s
+        self.cache_max_memory = cache_max_memory
         self._proc: Optional[subprocess.Popen] = None
 
     @property
@@ -81,14 +85,21 @@ class LocalRedis:
                 "redis-server not found on PATH; run scripts/install_redis.sh"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.cache_max_memory:
+            persistence = [
+                "--appendonly", "no",
+                "--save", "",
+                "--maxmemory", self.cache_max_memory,
+                "--maxmemory-policy", "allkeys-lru",
+            ]
+        else:
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--save", self._save]
         args = [
             self._binary,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", self._save,
+            *persistence,
             "--daemonize", "no",
             "--logfile", str(self.log_path),
             *self._extra_args,

@@ -3,7 +3,7 @@ same machine; the bounds that limit it; and how long a worker waits for a prefix
 
     python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 512]
         [--batch 64] [--concurrency 4] [--rounds 3] [--warmup 1] [--no-bounds]
-        [--worker-blocks 8,32,128] [--out FILE]
+        [--worker-blocks 8,32,128] [--kv-redis cache|shared] [--out FILE]
 
 Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
 through its Serve handle, as a compute worker drives it (blocks travel through Ray's
@@ -14,7 +14,9 @@ Redis, and again once that finished) and, after ``flush_l2``, from Redis (L3); a
 ``get_blocks_packed`` from L2 (the bytes copied into the reply) for comparison. On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
-Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the same redis-server,
+Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the redis-server
+holding the blocks (``--kv-redis cache``, the default: their own cache server, no
+persistence, as ``serve_config.yaml`` deploys them; ``shared``: the sessions' AOF server),
 run right after ours in each round; the ratio is taken per round (the machine's speed
 drifts by tens of percent between minutes), and the median over rounds is reported.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -299,6 +302,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     p.add_argument("--no-bounds", action="store_true", help="skip the stage bounds")
     p.add_argument("--worker-blocks", default="8,32,128", help="prefix sizes for the worker-wait measure ('' skips it)")
+    p.add_argument(
+        "--kv-redis",
+        choices=["cache", "shared"],
+        default="cache",
+        help="cache: KV blocks on their own cache redis-server (no persistence, maxmemory, "
+        "allkeys-lru), as serve_config.yaml deploys them; shared: on the sessions' AOF server",
+    )
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
     args = p.parse_args(argv)
 
@@ -314,11 +324,17 @@ def main(argv=None) -> int:
     size = args.block_kib * 1024
     results = []
     bounds = worker = None
-    with LocalRedis() as redis:
-        cfg = AppConfig.model_validate(
-            {"dataplane": {"num_replicas": 2, "redis": {"url": redis.url},
-                           "l2_capacity_bytes": 4 * size * args.num_blocks}}
-        )
+    with LocalRedis() as sessions_redis, contextlib.ExitStack() as stack:
+        # ``redis``: where the blocks go, which redis-benchmark measures too.
+        redis = sessions_redis
+        dataplane = {"num_replicas": 2, "redis": {"url": sessions_redis.url},
+                     "l2_capacity_bytes": 4 * size * args.num_blocks}
+        if args.kv_redis == "cache":
+            redis = stack.enter_context(LocalRedis(cache_max_memory="4gb"))
+            dataplane["kv_redis"] = {"url": redis.url}
+        _say(f"KV blocks on {'a cache' if args.kv_redis == 'cache' else 'the sessions AOF'} "
+             f"redis-server ({redis.url})")
+        cfg = AppConfig.model_validate({"dataplane": dataplane})
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
         # As the app deploys it (build_app): Serve's throughput settings in the replicas.

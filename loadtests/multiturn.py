@@ -1,7 +1,7 @@
 """Multi-turn chat benchmark: time to first token per turn with KV reuse from host memory
 (L2), from Redis (L3) and with reuse off (recompute), side by side in one run.
 
-    python -m loadtests.multiturn [--preset small] [--turns 8] [--rounds 2] [--out FILE]
+    python -m loadtests.multiturn [--preset small] [--turns 8] [--rounds 2] [--kv-redis cache|shared] [--out FILE]
 
 Each conversation is a server-side session (X-Session-Id); every turn sends only its new
 user message (--turn-words words, about 3 tokens each), the reply is --reply-tokens long, so the
@@ -23,17 +23,22 @@ drift on a shared machine hits them alike:
 
 Turn 1 has nothing to reuse in any mode: its TTFT with reuse on versus off is the cost of a
 miss (lookup + export). Starts its own Redis and Ray; needs the `redis-server` binary.
+``--kv-redis cache`` (the default) keeps the KV blocks on a cache redis-server of their own
+(no persistence, maxmemory, allkeys-lru) and sessions on an AOF one, as
+``serve_config.yaml`` deploys them; ``shared`` puts both on the AOF server.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -54,7 +59,13 @@ def _say(msg: str) -> None:
 
 
 def app_args(
-    model_path: Path, redis_url: str, kv_reuse: bool, num_threads: int, l1: bool = False, keep_freed_memory: bool = True
+    model_path: Path,
+    redis_url: str,
+    kv_reuse: bool,
+    num_threads: int,
+    l1: bool = False,
+    keep_freed_memory: bool = True,
+    kv_redis_url: Optional[str] = None,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
     if not l1:
@@ -70,6 +81,7 @@ def app_args(
             "kv_reuse": kv_reuse,
             "num_replicas": 2,
             "redis": {"url": redis_url},
+            **({"kv_redis": {"url": kv_redis_url}} if kv_redis_url else {}),
         },
         "serve_runtime": {"keep_freed_memory": keep_freed_memory},
     }
@@ -157,6 +169,13 @@ def main(argv=None) -> int:
         "--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
     )
+    p.add_argument(
+        "--kv-redis",
+        choices=["cache", "shared"],
+        default="cache",
+        help="cache: KV blocks on their own cache redis-server (as serve_config.yaml deploys "
+        "them); shared: on the sessions' AOF server",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -174,7 +193,10 @@ def main(argv=None) -> int:
     base_url = f"http://127.0.0.1:{args.port}"
     runs: dict[str, list[list[float]]] = {"l1": [], "l2": [], "l3": [], "recompute": []}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
-    with LocalRedis() as redis:
+    with LocalRedis() as redis, contextlib.ExitStack() as stack:
+        kv_redis_url = None
+        if args.kv_redis == "cache":
+            kv_redis_url = stack.enter_context(LocalRedis(cache_max_memory="4gb")).url
         from app.builder import use_serve_process_env
 
         use_serve_process_env()  # as app.cli does
@@ -187,7 +209,9 @@ def main(argv=None) -> int:
                 _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1}")
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
-                    build_app(app_args(model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory)),
+                    build_app(app_args(
+                        model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url
+                    )),
                     name="bench",
                     route_prefix="/",
                     blocking=False,

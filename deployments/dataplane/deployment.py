@@ -201,7 +201,7 @@ class DataPlane:
 
     @staticmethod
     def _default_store(cfg: DataPlaneConfig) -> RedisStore:
-        return RedisStore.from_config(cfg.redis, kv_ttl_s=cfg.kv_ttl_s)
+        return RedisStore.from_config(cfg.redis, kv_ttl_s=cfg.kv_ttl_s, kv_cfg=cfg.kv_redis)
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -65,7 +65,8 @@ def _unavailable(fn):
             try:
                 return await fn(self, *args, **kwargs)
             except _CONNECTION_ERRORS:
-                await self._r.connection_pool.disconnect(inuse_connections=False)
+                for c in self._clients():
+                    await c.connection_pool.disconnect(inuse_connections=False)
                 return await fn(self, *args, **kwargs)
         except _CONNECTION_ERRORS as e:
             # BusyLoadingError (Redis replaying its AOF) is a ConnectionError too.
@@ -179,14 +180,42 @@ def _record_from(session_id: str, fields: dict) -> SessionRecord:
     )
 
 
+def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
+    password = environ.get(cfg.password_env) if cfg.password_env else None
+    # rediss:// in the URL turns TLS on; redis-py reads it from the scheme.
+    return aioredis.Redis.from_url(
+        cfg.url,
+        password=password or None,
+        max_connections=cfg.pool_size,
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=cfg.connect_timeout_s,
+        # One immediate retry re-dials a pooled connection that a Redis restart broke;
+        # more would only delay noticing an outage (we degrade instead).
+        retry=Retry(NoBackoff(), 1),
+        retry_on_timeout=False,
+    )
+
+
 class RedisStore:
     """KV blocks and session records in Redis. Construct with :meth:`from_config`."""
 
-    def __init__(self, client: aioredis.Redis, *, kv_ttl_s: int, clock=time.time, raw_blocks: bool = True):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        kv_ttl_s: int,
+        clock=time.time,
+        raw_blocks: bool = True,
+        kv_client: Optional[aioredis.Redis] = None,
+    ):
+        # Sessions (and each session's list of its blocks) on ``client``, the durable
+        # server; KV blocks (payloads and index entries) on ``kv_client`` if given, a
+        # cache server (``DataPlaneConfig.kv_redis``), else on the same one.
         self._r = client
+        self._kv = kv_client or client
         # KV block payloads go through a copy-free RESP client where it can serve (plain
         # TCP); sessions, scripts and everything small stay on redis-py.
-        self._raw = RawBlockClient.from_redis(client) if raw_blocks else None
+        self._raw = RawBlockClient.from_redis(self._kv) if raw_blocks else None
         self._kv_ttl_s = kv_ttl_s
         self._clock = clock
         self._append = client.register_script(_APPEND)
@@ -195,34 +224,43 @@ class RedisStore:
         self._create = client.register_script(_CREATE)
 
     @classmethod
-    def from_config(cls, cfg: RedisConfig, *, kv_ttl_s: int, environ=os.environ) -> "RedisStore":
-        password = environ.get(cfg.password_env) if cfg.password_env else None
-        # rediss:// in the URL turns TLS on; redis-py reads it from the scheme.
-        client = aioredis.Redis.from_url(
-            cfg.url,
-            password=password or None,
-            max_connections=cfg.pool_size,
-            socket_timeout=cfg.socket_timeout_s,
-            socket_connect_timeout=cfg.connect_timeout_s,
-            # One immediate retry re-dials a pooled connection that a Redis restart
-            # broke; more would only delay noticing an outage (we degrade instead).
-            retry=Retry(NoBackoff(), 1),
-            retry_on_timeout=False,
-        )
-        return cls(client, kv_ttl_s=kv_ttl_s)
+    def from_config(
+        cls,
+        cfg: RedisConfig,
+        *,
+        kv_ttl_s: int,
+        kv_cfg: Optional[RedisConfig] = None,
+        environ=os.environ,
+    ) -> "RedisStore":
+        """The store over ``cfg``'s server, with KV blocks on ``kv_cfg``'s if given."""
+        kv_client = _client(kv_cfg, environ) if kv_cfg is not None else None
+        return cls(_client(cfg, environ), kv_ttl_s=kv_ttl_s, kv_client=kv_client)
 
     @property
     def client(self) -> aioredis.Redis:
+        """The sessions' (durable) server."""
         return self._r
+
+    @property
+    def kv_client(self) -> aioredis.Redis:
+        """The KV blocks' server (``client`` unless a separate one was configured)."""
+        return self._kv
+
+    def _clients(self) -> list[aioredis.Redis]:
+        return [self._r] if self._kv is self._r else [self._r, self._kv]
 
     async def close(self) -> None:
         if self._raw is not None:
             self._raw.close()
-        await self._r.aclose()
+        for c in self._clients():
+            await c.aclose()
 
     @_unavailable
     async def ping(self) -> bool:
-        return bool(await self._r.ping())
+        """Both servers answer (either one down is an outage: the replica degrades)."""
+        for c in self._clients():
+            await c.ping()
+        return True
 
     # -- KV blocks -----------------------------------------------------------------
 
@@ -253,7 +291,7 @@ class RedisStore:
                 if isinstance(reply, Exception):
                     raise reply
             return
-        pipe = self._r.pipeline(transaction=False)
+        pipe = self._kv.pipeline(transaction=False)
         for h, data in zip(hashes, blocks):
             pipe.set(keys.block_key(tenant, h), data, ex=ttl + PAYLOAD_TTL_MARGIN_S)
             pipe.set(keys.block_index_key(tenant, h), len(data), ex=ttl)
@@ -261,13 +299,13 @@ class RedisStore:
 
     @_unavailable
     async def get_block(self, tenant: str, block_hash: str) -> Optional[bytes]:
-        return await self._r.get(keys.block_key(tenant, block_hash))
+        return await self._kv.get(keys.block_key(tenant, block_hash))
 
     @_unavailable
     async def get_blocks(self, tenant: str, hashes: Sequence[str]) -> list[Optional[bytes]]:
         if not hashes:
             return []
-        return await self._r.mget([keys.block_key(tenant, h) for h in hashes])
+        return await self._kv.mget([keys.block_key(tenant, h) for h in hashes])
 
     @_unavailable
     async def get_blocks_packed(self, tenant: str, hashes: Sequence[str]):
@@ -282,7 +320,7 @@ class RedisStore:
         if self._raw is not None:
             data, lengths = await self._raw.mget_packed(names)
         else:
-            values = await self._r.mget(names)
+            values = await self._kv.mget(names)
             present = [v for v in values if v is not None]
             data = np.frombuffer(b"".join(present), dtype=np.uint8)
             lengths = [None if v is None else len(v) for v in values]
@@ -301,7 +339,7 @@ class RedisStore:
         """Payload length of each block whose index entry is present, else None."""
         if not hashes:
             return []
-        values = await self._r.mget([keys.block_index_key(tenant, h) for h in hashes])
+        values = await self._kv.mget([keys.block_index_key(tenant, h) for h in hashes])
         return [None if v is None else int(v) for v in values]
 
     async def has_blocks(self, tenant: str, hashes: Sequence[str]) -> list[bool]:
@@ -312,7 +350,7 @@ class RedisStore:
         if not hashes:
             return 0
         # Index first: a reader must not find an index entry whose payload is gone.
-        pipe = self._r.pipeline(transaction=False)
+        pipe = self._kv.pipeline(transaction=False)
         pipe.delete(*[keys.block_index_key(tenant, h) for h in hashes])
         pipe.delete(*[keys.block_key(tenant, h) for h in hashes])
         _, n = await pipe.execute()

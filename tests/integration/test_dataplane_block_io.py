@@ -285,3 +285,68 @@ async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
         assert (await dp.stats())["l2_num_blocks"] == 0
     finally:
         await dp.shutdown()
+
+
+async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_one(redis_server):
+    # dataplane.kv_redis: block payloads and index entries live on a cache server (no
+    # persistence, maxmemory, allkeys-lru); sessions and each session's list of its
+    # blocks stay on the durable one. An evicted block is a miss, never an error.
+    with LocalRedis(cache_max_memory="64mb") as kv_server:
+        durable = aioredis.Redis.from_url(redis_server.url)
+        cache = aioredis.Redis.from_url(kv_server.url)
+        config = AppConfig.model_validate({
+            "dataplane": {
+                "num_replicas": 1,
+                "l2_capacity_bytes": 1 << 24,
+                "sync_interval_ms": 60_000,
+                "redis": {"url": redis_server.url, "password_env": None},
+                "kv_redis": {"url": kv_server.url, "password_env": None},
+            }
+        })
+        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        try:
+            # The server is what the embedded default starts for KV blocks.
+            assert (await cache.config_get("appendonly"))["appendonly"] == "no"
+            assert (await cache.config_get("maxmemory-policy"))["maxmemory-policy"] == "allkeys-lru"
+            assert int((await cache.config_get("maxmemory"))["maxmemory"]) == 64 << 20
+            assert (await durable.config_get("appendonly"))["appendonly"] == "yes"
+
+            sid = "sess_" + "c" * 32
+            await dp.create_session("kv", session_id=sid, ttl_s=60)
+            hashes = [f"kv{i:03d}" for i in range(4)]
+            blocks = [block(10_000, 40 + i) for i in range(4)]
+            assert await dp.put_blocks_packed("kv", hashes, *pack_blocks(blocks), session_id=sid) == 4
+            assert (await dp.flush_l2())["written"] == 4
+            for h in hashes:
+                assert await cache.get(keys.block_key("kv", h)) == blocks[hashes.index(h)]
+                assert await cache.exists(keys.block_index_key("kv", h))
+                assert not await durable.exists(keys.block_key("kv", h), keys.block_index_key("kv", h))
+            assert await durable.exists(keys.session_key("kv", sid))
+            assert not await cache.exists(keys.session_key("kv", sid))
+            assert len(await durable.smembers(keys.session_blocks_key("kv", sid))) == 4
+
+            # L2 emptied by the flush: the read comes from the cache server.
+            hit = await dp.lookup_prefix("kv", hashes)
+            assert (hit.num_blocks, hit.tier) == (4, "L3")
+            data, _ = await dp.get_blocks_packed("kv", hashes)
+            assert bytes(data) == b"".join(blocks)
+
+            # The cache lost the blocks (evicted, restarted without persistence): a miss.
+            await dp.drop_l2_blocks("kv", hashes)
+            await cache.flushall()
+            assert (await dp.lookup_prefix("kv", hashes)).num_blocks == 0
+            assert await dp.get_blocks_packed("kv", hashes) is None
+            assert (await dp.status())["degraded"] is False
+            rec = await dp.append_turn("kv", sid, 0, [{"role": "user", "content": "still here"}], 3)
+            assert rec.version == 1
+
+            # Deleting the session erases its blocks from the cache server too.
+            assert await dp.put_blocks_packed("kv", hashes, *pack_blocks(blocks), session_id=sid) == 4
+            assert (await dp.flush_l2())["written"] == 4
+            assert await dp.delete_session("kv", sid) is True
+            assert not await cache.exists(*[keys.block_key("kv", h) for h in hashes])
+            assert not await durable.exists(keys.session_blocks_key("kv", sid))
+        finally:
+            await dp.shutdown()
+            await durable.aclose()
+            await cache.aclose()

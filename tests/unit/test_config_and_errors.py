@@ -26,6 +26,9 @@ def test_serve_config_yaml_args_validate():
     cfg = AppConfig.model_validate(doc["applications"][0]["args"])
     assert cfg.model.id == "tiny-llama"
     assert cfg.router.max_batch_size == 8
+    # KV blocks on their own cache server, sessions on the durable one.
+    assert cfg.dataplane.kv_redis is not None
+    assert cfg.dataplane.kv_redis.url != cfg.dataplane.redis.url
 
 
 @pytest.mark.parametrize(

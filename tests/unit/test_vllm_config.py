@@ -175,6 +175,17 @@ def test_from_app_config_connects_only_when_kv_reuse_is_on(tiny_model_path):
     assert extra["model_id"] == "m1" and extra["redis_url"] == "redis://r:1/0"
     assert extra["redis_password_env"] == "PW" and extra["kv_ttl_s"] == 99
     assert on.engine_kwargs["block_size"] == extra["block_size"] in (16, 32)  # GPU / CPU
+    assert extra["kv_redis_url"] is None  # blocks share the one server
+    split = engine({"redis": {"url": "redis://r:1/0"}, "kv_redis": {"url": "redis://kv:2/0", "password_env": "KVPW"}})
+    extra = split.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["redis_url"] == "redis://r:1/0"
+    assert (extra["kv_redis_url"], extra["kv_redis_password_env"]) == ("redis://kv:2/0", "KVPW")
+    # The connector reads and writes blocks on the KV server, session block lists on the
+    # durable one; with no KV server configured both are the one server.
+    from deployments.compute.engines.vllm_kv_connector import _Redis
+
+    assert _Redis(extra, "kv_redis_").url == "redis://kv:2/0" and _Redis(extra).url == "redis://r:1/0"
+    assert _Redis({**extra, "kv_redis_url": None}, "kv_redis_").url == "redis://r:1/0"
     for off in ({"kv_reuse": False}, {"enabled": False}):
         eng = engine(off)
         assert "kv_transfer_config" not in eng.engine_kwargs

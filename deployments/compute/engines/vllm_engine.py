@@ -82,6 +82,8 @@ def kv_transfer_kwargs(
     retry_interval_s: float,
     kv_ttl_s: int,
     session_ttl_s: int,
+    kv_redis_url: Optional[str] = None,
+    kv_redis_password_env: Optional[str] = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.config.KVTransferConfig`` that plug our data-plane
     connector (``vllm_kv_connector.py``) into vLLM (pure). The password travels as the
@@ -102,6 +104,9 @@ def kv_transfer_kwargs(
             "retry_interval_s": retry_interval_s,
             "kv_ttl_s": kv_ttl_s,
             "session_ttl_s": session_ttl_s,
+            # The KV blocks' own server (dataplane.kv_redis); None: the one above.
+            "kv_redis_url": kv_redis_url,
+            "kv_redis_password_env": kv_redis_password_env,
         },
     }
 
@@ -266,6 +271,8 @@ class VLLMEngine(Engine):
                 retry_interval_s=dp.redis.reconnect_interval_s,
                 kv_ttl_s=dp.kv_ttl_s,
                 session_ttl_s=dp.sessions.cache_ttl_s,
+                kv_redis_url=dp.kv_redis.url if dp.kv_redis else None,
+                kv_redis_password_env=dp.kv_redis.password_env if dp.kv_redis else None,
             )
         kwargs = engine_args_kwargs(
             model_path=model_path,

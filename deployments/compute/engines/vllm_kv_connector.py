@@ -104,17 +104,25 @@ class _ReqState:
 
 
 class _Redis:
-    """A lazily built synchronous client that backs off after a failure."""
+    """A lazily built synchronous client that backs off after a failure. ``prefix``
+    picks the server in the extra config: ``redis_`` the durable one (sessions),
+    ``kv_redis_`` the KV blocks' one (``dataplane.kv_redis``, absent: the same)."""
 
-    def __init__(self, extra: dict[str, Any]):
-        self._url = str(extra.get("redis_url", "redis://127.0.0.1:6379/0"))
-        env = extra.get("redis_password_env")
+    def __init__(self, extra: dict[str, Any], prefix: str = "redis_"):
+        if not extra.get(f"{prefix}url"):
+            prefix = "redis_"
+        self._url = str(extra.get(f"{prefix}url") or "redis://127.0.0.1:6379/0")
+        env = extra.get(f"{prefix}password_env")
         self._password = (os.environ.get(env) if env else None) or None
         self._socket_timeout = float(extra.get("socket_timeout_s", 2.0))
         self._connect_timeout = float(extra.get("connect_timeout_s", 1.0))
         self.retry_interval_s = float(extra.get("retry_interval_s", 1.0))
         self._client = None
         self._down_until = 0.0
+
+    @property
+    def url(self) -> str:
+        return self._url
 
     def client(self):
         """The client, or None while backing off after a failure."""
@@ -160,7 +168,8 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         self._model_ns = f"{extra.get('model_id') or vllm_config.model_config.model}|vllm"
         self._kv_ttl_s = int(extra.get("kv_ttl_s", 86_400))
         self._session_ttl_s = int(extra.get("session_ttl_s", 1800))
-        self._redis = _Redis(extra)
+        self._redis = _Redis(extra)  # session block lists
+        self._kv_redis = _Redis(extra, "kv_redis_")  # block payloads and index entries
         # scheduler side
         # req id → (tenant, session, hashes, present, vLLM's local hit in blocks)
         self._lookups: dict[str, tuple[str, Optional[str], list[str], list[bool], int]] = {}
@@ -186,13 +195,13 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         n_max = max(0, (len(tokens) - 1) // self._block_size)
         hashes = block_hashes(self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size)
         present = [False] * len(hashes)
-        client = self._redis.client() if hashes else None
+        client = self._kv_redis.client() if hashes else None
         if client is not None:
             try:
                 values = client.mget([keys.block_index_key(tenant, h) for h in hashes])
                 present = [v is not None for v in values]
             except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
-                self._redis.failed("lookup", e)
+                self._kv_redis.failed("lookup", e)
         local = num_computed_tokens // self._block_size
         self._lookups[request.request_id] = (tenant, session_id, hashes, present, local)
         run = 0
@@ -281,13 +290,13 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         """Loads the leading good blocks of ``t``; returns how many."""
         if self._header is None:
             return 0
-        client = self._redis.client()
+        client = self._kv_redis.client()
         if client is None:
             return 0
         try:
             datas = client.mget([keys.block_key(t.tenant, h) for h in t.hashes])
         except Exception as e:  # noqa: BLE001
-            self._redis.failed("load", e)
+            self._kv_redis.failed("load", e)
             return 0
         blocks = []
         for h, data in zip(t.hashes, datas):
@@ -325,11 +334,15 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, DataPlaneConnectorMetadata)
         if not meta.saves or self._header is None:
             return
-        client = self._redis.client()
+        client = self._kv_redis.client()
         if client is None:
             return
         caches = list(self._kv_caches.values())
         pipe = client.pipeline(transaction=False)
+        # Each session's list of its blocks goes to the durable server (deleting the
+        # session deletes them); the same pipeline when both are one server.
+        separate = self._kv_redis.url != self._redis.url
+        members: list[tuple[str, list[str]]] = []
         n = 0
         for t in meta.saves:
             ids = torch.tensor(t.block_ids, dtype=torch.long)
@@ -342,10 +355,25 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                 n += 1
             if t.session_id:
                 skey = keys.session_blocks_key(t.tenant, t.session_id)
-                pipe.sadd(skey, *[keys.session_block_member(t.chain_head, h) for h in t.hashes])
-                pipe.expire(skey, max(self._session_ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S)
+                members.append((skey, [keys.session_block_member(t.chain_head, h) for h in t.hashes]))
+        member_ttl = max(self._session_ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S
+        if not separate:
+            for skey, ms in members:
+                pipe.sadd(skey, *ms)
+                pipe.expire(skey, member_ttl)
         try:
             pipe.execute()
             self.num_saved_blocks += n
         except Exception as e:  # noqa: BLE001 - a lost save is a later miss
-            self._redis.failed("save", e)
+            self._kv_redis.failed("save", e)
+            return
+        sessions = self._redis.client() if separate and members else None
+        if sessions is not None:
+            spipe = sessions.pipeline(transaction=False)
+            for skey, ms in members:
+                spipe.sadd(skey, *ms)
+                spipe.expire(skey, member_ttl)
+            try:
+                spipe.execute()
+            except Exception as e:  # noqa: BLE001 - the blocks then outlive a delete until their TTL
+                self._redis.failed("session block list", e)

@@ -566,6 +566,13 @@ class DataPlane:
                 if data is None:
                     self._counts["get_misses"] += 1
                     self._m.inc("misses")
+                    # A lookup found its index entry, so the payload went first (a cache
+                    # Redis evicts keys on its own): drop the entry too, or every later
+                    # lookup would offer the block again and every load would miss.
+                    try:
+                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
+                    except RedisUnavailable:
+                        pass
                     return None, TIER_NONE
                 if not self._verify(data, TIER_L3):
                     try:

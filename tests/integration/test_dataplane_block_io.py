@@ -331,6 +331,15 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
             data, _ = await dp.get_blocks_packed("kv", hashes)
             assert bytes(data) == b"".join(blocks)
 
+            # LRU evicted a payload but not its (small, often read) index entry: the load
+            # misses, and drops the entry, so lookups stop offering the block.
+            await dp.drop_l2_blocks("kv", hashes)
+            await cache.delete(keys.block_key("kv", hashes[2]))
+            assert (await dp.lookup_prefix("kv", hashes)).num_blocks == 4  # the index says so
+            assert await dp.get_blocks_packed("kv", hashes) is None
+            assert not await cache.exists(keys.block_index_key("kv", hashes[2]))
+            assert (await dp.lookup_prefix("kv", hashes)).num_blocks == 2
+
             # The cache lost the blocks (evicted, restarted without persistence): a miss.
             await dp.drop_l2_blocks("kv", hashes)
             await cache.flushall()

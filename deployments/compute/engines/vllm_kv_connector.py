@@ -308,6 +308,12 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                     raise CorruptBlockError(f"header {header} is not this engine's {self._header}")
             except CorruptBlockError as e:
                 logger.warning("KV connector: block %s of tenant %r is a miss: %s", h, t.tenant, e)
+                # Its index entry would offer it again on every lookup (a cache Redis evicts
+                # payloads on its own): drop both, so the next lookup stops before it.
+                try:
+                    client.delete(keys.block_index_key(t.tenant, h), keys.block_key(t.tenant, h))
+                except Exception as e2:  # noqa: BLE001 - only a cleanup
+                    self._kv_redis.failed("delete of a missing block", e2)
                 break
             blocks.append(payload)
         caches = list(self._kv_caches.values())

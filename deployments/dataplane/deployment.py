@@ -94,7 +94,7 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
         ref = ray.put(arrays)
         resident = _Resident(ref, ray.get(ref))
         return list(resident.views), resident
-    owned = np.concatenate(arrays) if arrays else np.empty(0, np.uint8)
+    owned = np.concatenate(arrays)
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
 
 
@@ -515,6 +515,13 @@ class DataPlane:
                 hit.refs = self._hand_off(tenant, run, blocks)
         return hit
 
+    async def _drop_from_l3(self, tenant: str, block_hash: str) -> None:
+        """Delete a block (index entry and payload) from Redis; an outage leaves it."""
+        try:
+            await self._redis(self._store.delete_blocks, tenant, [block_hash])
+        except RedisUnavailable:
+            pass
+
     def _verify(self, data, tier: str) -> bool:
         try:
             check_block(data)
@@ -566,19 +573,11 @@ class DataPlane:
                 if data is None:
                     self._counts["get_misses"] += 1
                     self._m.inc("misses")
-                    # A lookup found its index entry, so the payload went first (a cache
-                    # Redis evicts keys on its own): drop the entry too, or every later
-                    # lookup would offer the block again and every load would miss.
-                    try:
-                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
-                    except RedisUnavailable:
-                        pass
-                    return None, TIER_NONE
-                if not self._verify(data, TIER_L3):
-                    try:
-                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
-                    except RedisUnavailable:
-                        pass
+                if data is None or not self._verify(data, TIER_L3):
+                    # Gone (a lookup found its index entry, but a cache Redis evicts a
+                    # payload on its own: every later lookup would offer it again) or
+                    # corrupt: a miss either way, and dropped from Redis.
+                    await self._drop_from_l3(tenant, hashes[i])
                     return None, TIER_NONE
                 out[i] = data
             owned, group = _own_blocks([out[i] for i in missing], self._object_store)
@@ -711,10 +710,7 @@ class DataPlane:
                 if data is None:
                     continue
                 if not self._verify(data, TIER_L3):
-                    try:
-                        await self._redis(self._store.delete_blocks, tenant, [hashes[i]])
-                    except RedisUnavailable:
-                        pass
+                    await self._drop_from_l3(tenant, hashes[i])
                     continue
                 good.append((i, data))
             owned, group = _own_blocks([data for _, data in good], self._object_store)

@@ -363,10 +363,14 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                 skey = keys.session_blocks_key(t.tenant, t.session_id)
                 members.append((skey, [keys.session_block_member(t.chain_head, h) for h in t.hashes]))
         member_ttl = max(self._session_ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S
-        if not separate:
+
+        def list_members(p) -> None:
             for skey, ms in members:
-                pipe.sadd(skey, *ms)
-                pipe.expire(skey, member_ttl)
+                p.sadd(skey, *ms)
+                p.expire(skey, member_ttl)
+
+        if not separate:
+            list_members(pipe)
         try:
             pipe.execute()
             self.num_saved_blocks += n
@@ -376,9 +380,7 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         sessions = self._redis.client() if separate and members else None
         if sessions is not None:
             spipe = sessions.pipeline(transaction=False)
-            for skey, ms in members:
-                spipe.sadd(skey, *ms)
-                spipe.expire(skey, member_ttl)
+            list_members(spipe)
             try:
                 spipe.execute()
             except Exception as e:  # noqa: BLE001 - the blocks then outlive a delete until their TTL

@@ -26,12 +26,13 @@ encoded and saved on the asyncio side. Any KV-store failure is a miss, never a f
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import torch
 
@@ -464,19 +465,9 @@ class TorchEngine(Engine):
         """Keys of the blocks in L1 (8 bytes of each hash), for cache-aware placement."""
         return self._l1.packed_keys() if self._l1 is not None else b""
 
-    def _start_export(
-        self,
-        tenant: str,
-        token_ids: list[int],
-        first_block: int,
-        span: torch.Tensor,
-        session_id: Optional[str] = None,
-    ) -> None:
-        """On the request's event loop: encode and save one finished request's new blocks
-        (listed under its session, if it names one, so deleting the session erases them)."""
-        task = asyncio.get_running_loop().create_task(
-            self._export(tenant, token_ids, first_block, span, session_id)
-        )
+    def _start_export(self, export: Callable[[], Awaitable[None]]) -> None:
+        """On the request's event loop: run ``export`` (an :meth:`_export` call) as a task."""
+        task = asyncio.get_running_loop().create_task(export())
         self._export_tasks.add(task)
         task.add_done_callback(self._export_tasks.discard)
 
@@ -488,6 +479,8 @@ class TorchEngine(Engine):
         span: torch.Tensor,
         session_id: Optional[str] = None,
     ) -> None:
+        """Encode and save one finished request's new blocks (listed under its session, if
+        it names one, so deleting the session erases them)."""
         try:
             root, hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
             self._kv.save(tenant, hashes, blocks, session_id, chain_root=root)
@@ -796,9 +789,10 @@ class TorchEngine(Engine):
                 ]
             )
             token_ids = (seq.prompt_token_ids + seq.output_token_ids)[: num_blocks * bs]
-            req.loop.call_soon_threadsafe(
-                self._start_export, req.request.tenant, token_ids, first_block, span, req.request.session_id
+            export = functools.partial(
+                self._export, req.request.tenant, token_ids, first_block, span, req.request.session_id
             )
+            req.loop.call_soon_threadsafe(self._start_export, export)
         except Exception:  # noqa: BLE001 - exporting is best effort
             self._kv_stats.export_failures += 1
             logger.warning("kv export of %s failed", req.seq.request_id, exc_info=True)

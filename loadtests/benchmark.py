@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -714,6 +715,26 @@ def write_report(path: str | os.PathLike, doc: dict) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(doc, indent=2))
     return p
+
+
+def add_kv_redis_option(parser: argparse.ArgumentParser) -> None:
+    """``--kv-redis cache|shared`` of the side-by-side benchmarks that start their own
+    Redis: where the KV blocks go (see :func:`start_kv_redis`)."""
+    parser.add_argument(
+        "--kv-redis",
+        choices=["cache", "shared"],
+        default="cache",
+        help="cache: KV blocks on their own cache redis-server (no persistence, maxmemory, "
+        "allkeys-lru), as serve_config.yaml deploys them; shared: on the sessions' AOF server",
+    )
+
+
+def start_kv_redis(kv_redis: str, stack: contextlib.ExitStack):
+    """For ``--kv-redis cache``: a cache redis-server for the KV blocks (``LocalRedis``,
+    stopped with ``stack``); None for ``shared`` (blocks on the sessions' server)."""
+    from app.local_redis import LocalRedis
+
+    return stack.enter_context(LocalRedis(cache_max_memory="4gb")) if kv_redis == "cache" else None
 
 
 def plot_levels(path: str | os.PathLike, levels: Sequence[dict], title: str = "") -> bool:

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 
-from loadtests.benchmark import write_report
+from loadtests.benchmark import add_kv_redis_option, start_kv_redis, write_report
 
 # The small model's KV block (app/model_builder.py "small", block_size 16, fp32):
 # layers, kv, kv heads, tokens, head dim.
@@ -302,13 +302,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     p.add_argument("--no-bounds", action="store_true", help="skip the stage bounds")
     p.add_argument("--worker-blocks", default="8,32,128", help="prefix sizes for the worker-wait measure ('' skips it)")
-    p.add_argument(
-        "--kv-redis",
-        choices=["cache", "shared"],
-        default="cache",
-        help="cache: KV blocks on their own cache redis-server (no persistence, maxmemory, "
-        "allkeys-lru), as serve_config.yaml deploys them; shared: on the sessions' AOF server",
-    )
+    add_kv_redis_option(p)
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
     args = p.parse_args(argv)
 
@@ -326,11 +320,10 @@ def main(argv=None) -> int:
     bounds = worker = None
     with LocalRedis() as sessions_redis, contextlib.ExitStack() as stack:
         # ``redis``: where the blocks go, which redis-benchmark measures too.
-        redis = sessions_redis
+        redis = start_kv_redis(args.kv_redis, stack) or sessions_redis
         dataplane = {"num_replicas": 2, "redis": {"url": sessions_redis.url},
                      "l2_capacity_bytes": 4 * size * args.num_blocks}
-        if args.kv_redis == "cache":
-            redis = stack.enter_context(LocalRedis(cache_max_memory="4gb"))
+        if redis is not sessions_redis:
             dataplane["kv_redis"] = {"url": redis.url}
         _say(f"KV blocks on {'a cache' if args.kv_redis == 'cache' else 'the sessions AOF'} "
              f"redis-server ({redis.url})")

@@ -42,7 +42,7 @@ from typing import Optional
 
 import httpx
 
-from loadtests.benchmark import write_report
+from loadtests.benchmark import add_kv_redis_option, start_kv_redis, write_report
 
 WORDS = (
     "river stone light garden window morning silver quiet harbor market letter bridge "
@@ -169,13 +169,7 @@ def main(argv=None) -> int:
         "--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
     )
-    p.add_argument(
-        "--kv-redis",
-        choices=["cache", "shared"],
-        default="cache",
-        help="cache: KV blocks on their own cache redis-server (as serve_config.yaml deploys "
-        "them); shared: on the sessions' AOF server",
-    )
+    add_kv_redis_option(p)
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -194,9 +188,8 @@ def main(argv=None) -> int:
     runs: dict[str, list[list[float]]] = {"l1": [], "l2": [], "l3": [], "recompute": []}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis, contextlib.ExitStack() as stack:
-        kv_redis_url = None
-        if args.kv_redis == "cache":
-            kv_redis_url = stack.enter_context(LocalRedis(cache_max_memory="4gb")).url
+        kv_server = start_kv_redis(args.kv_redis, stack)
+        kv_redis_url = kv_server.url if kv_server is not None else None
         from app.builder import use_serve_process_env
 
         use_serve_process_env()  # as app.cli does

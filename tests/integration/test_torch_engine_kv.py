@@ -244,6 +244,35 @@ async def test_slow_tier_is_recomputed_not_fetched(engine, store):
 
 
 @pytest.mark.asyncio
+async def test_a_slow_import_is_recomputed_even_from_a_fast_store(engine, store, monkeypatch):
+    """The decision weighs the whole import (load, decode, copy to the device), which the
+    engine measures itself, not only the store's transport: on an accelerator the copy
+    to the device can cost more than prefilling the tokens again."""
+    import time as _time
+
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("prime-import", ids))
+    store.bandwidth = 1e12  # the store's transport: effectively free
+    decode = engine._decode_prefix
+
+    def slow_decode(*args, **kwargs):
+        _time.sleep(1.0)  # an import far slower than prefilling ~60 tiny-model tokens
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode_prefix", slow_decode)
+    before = engine.kv_stats()
+    tokens = await collect(engine, make_request("measured", ids))  # imports, and measures it
+    mid = engine.kv_stats()
+    assert mid.prefix_hit_tokens > before.prefix_hit_tokens and mid.fetch_skipped == before.fetch_skipped
+    assert engine.import_bytes_per_s("L2") < store.bandwidth
+    loads = len(store.loads)
+    assert await collect(engine, make_request("skipped", ids)) == tokens
+    after = engine.kv_stats()
+    assert after.fetch_skipped == mid.fetch_skipped + 1
+    assert after.prefix_hit_tokens == mid.prefix_hit_tokens and len(store.loads) == loads
+
+
+@pytest.mark.asyncio
 async def test_recomputing_a_slow_tier_still_re_measures_it_now_and_then(engine, store):
     from deployments.compute.engines.torch_engine import _EXPLORE_EVERY_SKIPS
 

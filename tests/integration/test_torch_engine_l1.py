@@ -67,6 +67,33 @@ async def test_next_turn_reads_its_prefix_from_l1(engine, plain, store):
 
 
 @pytest.mark.asyncio
+async def test_a_slow_l1_is_recomputed_like_any_tier(engine, store, monkeypatch):
+    """L1 goes through the same fetch-or-recompute decision: its import (a host copy and
+    the copy to the device) is measured, and a prefix that imports slower than it
+    prefills is recomputed (with a re-measuring import now and then)."""
+    import time as _time
+
+    ids = encode(engine, PROMPTS[0])
+    out = await run_and_export(engine, make_request("l1-prime", ids, max_tokens=4))
+    l1_get = engine._l1.get
+
+    def slow_get(*args, **kwargs):
+        _time.sleep(1.0)
+        return l1_get(*args, **kwargs)
+
+    monkeypatch.setattr(engine._l1, "get", slow_get)
+    turn2 = ids + out
+    before = engine.kv_stats()
+    first = await collect(engine, make_request("l1-measured", turn2, max_tokens=4))
+    mid = engine.kv_stats()
+    assert mid.l1_hit_tokens > before.l1_hit_tokens and engine.import_bytes_per_s("L1") is not None
+    assert await collect(engine, make_request("l1-skipped", turn2, max_tokens=4)) == first
+    after = engine.kv_stats()
+    assert after.l1_hit_tokens == mid.l1_hit_tokens and after.fetch_skipped == mid.fetch_skipped + 1
+    assert after.prefix_hit_tokens == mid.prefix_hit_tokens
+
+
+@pytest.mark.asyncio
 async def test_a_longer_stored_prefix_beats_l1_and_lands_in_l1(tiny_model_path, store, plain):
     turn1 = encode(plain, PROMPTS[1])
     # Another replica ran turn 1 (its blocks are in the store, not in this one's L1).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 # Tiers, fastest first. "L1" is the engine's own cache and never crosses this interface.
+TIER_L1 = "L1"
 TIER_L2 = "L2"
 TIER_L3 = "L3"
 TIER_NONE = "none"

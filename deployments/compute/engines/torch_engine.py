@@ -37,7 +37,15 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 import torch
 
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
-from deployments.compute.engines.kv import CheckedBlocks, Ewma, KVConnector, PrefixHit, block_hashes, should_fetch
+from deployments.compute.engines.kv import (
+    TIER_L1,
+    CheckedBlocks,
+    Ewma,
+    KVConnector,
+    PrefixHit,
+    block_hashes,
+    should_fetch,
+)
 from deployments.compute.engines.kv_codec import (
     CorruptBlockError,
     block_shape,
@@ -158,6 +166,7 @@ class TorchEngine(Engine):
         model_id: str = "model",
         block_size: int = 16,
         prefix_cache_bytes: int = 0,
+        always_fetch: bool = False,
     ):
         from transformers import AutoConfig, AutoTokenizer
 
@@ -216,7 +225,11 @@ class TorchEngine(Engine):
             from deployments.compute.engines.prefix_cache import PrefixCache
 
             self._l1 = PrefixCache(prefix_cache_bytes, block_size)
-        # Per tier: stored prefixes recomputed since the last fetch (see _fetch_prefix).
+        # Per tier: stored prefixes recomputed since the last fetch (see _worth_importing),
+        # and the measured import rate (bytes, seconds) of each tier.
+        self._import_rate: dict[str, tuple[Ewma, Ewma]] = {}
+        # Benchmarks: import every stored prefix, measured or not (loadtests/engine_kv.py).
+        self.always_fetch = always_fetch
         self._skips_since_fetch: dict[str, int] = {}
         # Prefill speed = EWMA(tokens) / EWMA(seconds): a ratio of averages, so long
         # prefills (what recomputing a cached prefix costs) weigh more than short ones.
@@ -373,7 +386,16 @@ class TorchEngine(Engine):
 
     async def _fetch_prefix(self, request: GenerationRequest) -> Optional[torch.Tensor]:
         """The stored K/V of the longest cached prefix of the prompt, as one
-        ``[layers, 2, kv_heads, P, head_dim]`` CPU tensor, or None (miss, skipped, failed)."""
+        ``[layers, 2, kv_heads, P, head_dim]`` tensor already on the engine's device, or
+        None (miss, skipped, failed).
+
+        Fetch or recompute: a stored prefix is used only when importing it (load from its
+        tier, decode, copy to the device) is measured to be faster than prefilling its
+        tokens. On a CPU the import is a fraction of a prefill; on an accelerator a small
+        model prefills thousands of tokens in the time the host-to-device copy alone takes
+        (measured on an H200: ``loadtests/engine_kv.py``), so the same cached prefix is
+        worth fetching on one machine and not on the other. L1 is a tier like the others
+        here: its import is a host copy plus the copy to the device."""
         kv, stats, tenant = self._kv, self._kv_stats, request.tenant
         # Not the last prompt token: at least one must be prefilled to get its logits.
         hashes = block_hashes(self.model_id, tenant, request.prompt_token_ids[:-1], self.block_size)
@@ -388,23 +410,13 @@ class TorchEngine(Engine):
             t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:
-                return await self._from_l1(hashes, l1_blocks)
+                if l1_blocks and self._worth_importing(TIER_L1, l1_blocks, l1_blocks * self._l1_block_bytes()):
+                    return await self._from_l1(hashes, l1_blocks)
+                return None
             if num_blocks != hit.num_blocks:
                 hit = PrefixHit(num_blocks, hit.tier, hit.num_bytes * num_blocks // max(1, hit.num_blocks))
-            fetch = should_fetch(
-                hit,
-                bandwidth_bytes_per_s=kv.bandwidth_bytes_per_s(hit.tier),
-                prefill_tokens_per_s=self.prefill_tokens_per_s(),
-                block_size=self.block_size,
-            )
-            skips = self._skips_since_fetch.get(hit.tier, 0)
-            if not fetch and skips < _EXPLORE_EVERY_SKIPS:
-                # Recompute, but not forever: a bandwidth figure that only a fetch can
-                # update would otherwise stay stale (one slow fetch would end reuse).
-                self._skips_since_fetch[hit.tier] = skips + 1
-                stats.fetch_skipped += 1
-                return await self._from_l1(hashes, l1_blocks)
-            self._skips_since_fetch[hit.tier] = 0
+            if not self._worth_importing(hit.tier, num_blocks, hit.num_bytes, kv.bandwidth_bytes_per_s(hit.tier)):
+                return await self._from_l1(hashes, l1_blocks)  # what L1 holds of it, if any
             started = time.perf_counter()
             blocks = await kv.load(tenant, hashes[:num_blocks])
             elapsed = time.perf_counter() - started
@@ -416,10 +428,11 @@ class TorchEngine(Engine):
             if elapsed > 0:
                 kv.record_fetch(hit.tier, num_bytes, elapsed)
             t_decode = time.perf_counter()
-            if num_bytes > _DECODE_INLINE_MAX_BYTES or self._l1 is not None:
+            if num_bytes > _DECODE_INLINE_MAX_BYTES or self._l1 is not None or self.device.type != "cpu":
                 prefix = await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks])
             else:
                 prefix = self._decode_prefix(blocks)
+            self._record_import(hit.tier, num_bytes, time.perf_counter() - started)
             logger.debug(
                 "kv prefix fetched: request=%s tier=%s blocks=%d bytes=%d lookup_ms=%.1f load_ms=%.1f decode_ms=%.1f",
                 request.request_id, hit.tier, num_blocks, num_bytes, 1000 * t_lookup, 1000 * elapsed,
@@ -434,26 +447,70 @@ class TorchEngine(Engine):
             logger.warning("kv prefix fetch failed for %s, recomputing", request.request_id, exc_info=True)
         return None
 
+    def _worth_importing(
+        self, tier: str, num_blocks: int, num_bytes: int, transport_bytes_per_s: Optional[float] = None
+    ) -> bool:
+        """Whether to import ``num_blocks`` stored blocks from ``tier`` rather than prefill
+        them: :func:`should_fetch` with this engine's measured import rate of the tier
+        (load, decode and copy to the device; before the first import, the store's
+        transport figure). Recomputing is not forever: every ``_EXPLORE_EVERY_SKIPS``-th
+        skip imports anyway to re-measure, since only an import can update the figure."""
+        if self.always_fetch:
+            return True
+        fetch = should_fetch(
+            PrefixHit(num_blocks, tier, num_bytes),
+            bandwidth_bytes_per_s=self.import_bytes_per_s(tier) or transport_bytes_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s(),
+            block_size=self.block_size,
+        )
+        skips = self._skips_since_fetch.get(tier, 0)
+        if not fetch and skips < _EXPLORE_EVERY_SKIPS:
+            self._skips_since_fetch[tier] = skips + 1
+            self._kv_stats.fetch_skipped += 1
+            return False
+        self._skips_since_fetch[tier] = 0
+        return True
+
+    def _record_import(self, tier: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            avg_bytes, avg_seconds = self._import_rate.setdefault(tier, (Ewma(), Ewma()))
+            avg_bytes.update(num_bytes)
+            avg_seconds.update(seconds)
+
+    def import_bytes_per_s(self, tier: str) -> Optional[float]:
+        """Measured speed of importing a prefix from ``tier`` (load + decode + copy to the
+        device, bytes of stored blocks per second), None until one was imported."""
+        avg_bytes, avg_seconds = self._import_rate.get(tier, (None, None))
+        if avg_bytes is None or not avg_bytes.value or not avg_seconds.value:
+            return None
+        return avg_bytes.value / avg_seconds.value
+
     def _decode_prefix(self, blocks: list[bytes], hashes: Optional[list[str]] = None) -> torch.Tensor:
         prefix = decode_kv_blocks(
             blocks, dtype=self.dtype, shape=self._kv_block_shape, verify=not isinstance(blocks, CheckedBlocks)
         )
         if self._l1 is not None and hashes:
-            self._l1.put(hashes, prefix)  # a fetched prefix is local from now on
-        return prefix
+            self._l1.put(hashes, prefix)  # a fetched prefix is local from now on (on the host)
+        return prefix.to(self.device)
 
     async def _from_l1(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
-        """The first ``num_blocks`` blocks from L1 as one prefix tensor; None if there are
-        none (or one was evicted since the lookup)."""
+        """The first ``num_blocks`` blocks from L1 as one prefix tensor on the engine's
+        device; None if there are none (or one was evicted since the lookup)."""
         if num_blocks <= 0 or self._l1 is None:
             return None
-        if num_blocks * self._l1_block_bytes() > _DECODE_INLINE_MAX_BYTES:
-            prefix = await asyncio.to_thread(self._l1.get, hashes[:num_blocks])
+        started = time.perf_counter()
+        if num_blocks * self._l1_block_bytes() > _DECODE_INLINE_MAX_BYTES or self.device.type != "cpu":
+            prefix = await asyncio.to_thread(self._l1_get, hashes[:num_blocks])
         else:
-            prefix = self._l1.get(hashes[:num_blocks])
+            prefix = self._l1_get(hashes[:num_blocks])
         if prefix is not None:
             self._kv_stats.l1_hit_tokens += num_blocks * self.block_size
+            self._record_import(TIER_L1, num_blocks * self._l1_block_bytes(), time.perf_counter() - started)
         return prefix
+
+    def _l1_get(self, hashes: list[str]) -> Optional[torch.Tensor]:
+        prefix = self._l1.get(hashes)
+        return None if prefix is None else prefix.to(self.device)
 
     def _l1_block_bytes(self) -> int:
         n = self.dtype.itemsize

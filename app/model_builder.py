@@ -100,6 +100,19 @@ PRESETS: dict[str, Preset] = {
         max_position_embeddings=4096,
         corpus_chars=600_000,
     ),
+    # For accelerator runs (loadtests/engine_kv.py on a GPU), never built by the tests or
+    # the run command: ~0.8B parameters (3.2 GB in fp32), grouped-query attention (8 KV
+    # heads for 16 query heads) and head_dim 128, shapes the two above do not exercise.
+    "medium": Preset(
+        vocab_size=8192,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        corpus_chars=1_000_000,
+    ),
 }
 
 _COMMON_WORDS = """

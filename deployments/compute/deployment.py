@@ -97,6 +97,15 @@ class ComputeWorker:
             )
         }
         self._kv_reported: dict[str, int] = {}
+        # What the engine's fetch-or-recompute decision compares (engines/kv.py:should_fetch).
+        self._m_prefill_speed = metrics.Gauge(
+            "llm_engine_prefill_tokens_per_s", "Measured prefill speed (prompt tokens per second).", tag_keys=tags
+        )
+        self._m_import_speed = metrics.Gauge(
+            "llm_engine_kv_import_bytes_per_s",
+            "Measured speed of importing a stored prefix from a tier (load, decode, copy to the device).",
+            tag_keys=(*tags, "tier"),
+        )
         self._m_queue_depth = metrics.Gauge(
             "llm_worker_queue_depth",
             "Requests in this replica not yet finished (what the autoscaler scales on).",
@@ -123,6 +132,8 @@ class ComputeWorker:
             self._m_kv,
             self._m_tokens,
             *self._m_kv_counters.values(),
+            self._m_prefill_speed,
+            self._m_import_speed,
             self._m_queue_depth,
             self._m_drains,
             self._m_drain_flushed,
@@ -193,6 +204,7 @@ class ComputeWorker:
         return {name: getattr(s, name) for name in self._m_kv_counters} | {
             "lookups": s.lookups,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
+            "import_bytes_per_s": dict(getattr(s, "import_bytes_per_s", {})),
         }
 
     def capabilities(self) -> EngineCapabilities:
@@ -243,6 +255,10 @@ class ComputeWorker:
         self._m_waiting.set(stats.num_waiting)
         self._m_kv.set(stats.kv_usage)
         kv = self.kv_stats()
+        if kv.get("prefill_tokens_per_s"):
+            self._m_prefill_speed.set(kv["prefill_tokens_per_s"])
+        for tier, rate in kv.get("import_bytes_per_s", {}).items():
+            self._m_import_speed.set(rate, tags={"tier": tier})
         for name, value in kv.items():
             counter = self._m_kv_counters.get(name)
             if counter is not None and value > self._kv_reported.get(name, 0):

@@ -265,6 +265,7 @@ async def test_a_slow_import_is_recomputed_even_from_a_fast_store(engine, store,
     mid = engine.kv_stats()
     assert mid.prefix_hit_tokens > before.prefix_hit_tokens and mid.fetch_skipped == before.fetch_skipped
     assert engine.import_bytes_per_s("L2") < store.bandwidth
+    assert mid.import_bytes_per_s == {"L2": engine.import_bytes_per_s("L2")}  # what the worker's gauge shows
     loads = len(store.loads)
     assert await collect(engine, make_request("skipped", ids)) == tokens
     after = engine.kv_stats()

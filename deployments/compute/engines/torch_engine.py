@@ -99,6 +99,9 @@ class KVStats:
     l1_hit_tokens: int = 0
     # EWMA of prefill speed (computed prompt tokens per second); None until measured.
     prefill_tokens_per_s: Optional[float] = None
+    # Per tier (L1, L2, L3): measured import speed (stored bytes per second: load, decode,
+    # copy to the device), what the fetch-or-recompute decision weighs; measured tiers only.
+    import_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -311,6 +314,9 @@ class TorchEngine(Engine):
             export_failures=s.export_failures,
             l1_hit_tokens=s.l1_hit_tokens,
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
+            import_bytes_per_s={
+                tier: rate for tier in self._import_rate if (rate := self.import_bytes_per_s(tier)) is not None
+            },
         )
 
     def num_pending_kv_exports(self) -> int:

@@ -291,16 +291,24 @@ class Ingress:
         if self._sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         record = await self._sessions.get(session_id)
-        messages, _ = fit_history(
+        built: list[list[int]] = []
+
+        def count_tokens(msgs: list[dict]) -> int:
+            built.append(self._chat_prompt_ids(msgs))
+            return len(built[-1])
+
+        # fit_history counts the messages it returns last, so those ids are the prompt's
+        # (built once, not again here: ~1 ms of templating per 2k-token history).
+        fit_history(
             record.messages,
             new_messages,
-            count_tokens=lambda msgs: len(self._chat_prompt_ids(msgs)),
+            count_tokens=count_tokens,
             max_new_tokens=req.requested_max_tokens() or self._config.limits.default_max_tokens,
             max_model_len=self._max_model_len,
             policy=self._sessions.config.overflow_policy,
         )
         turn = PendingTurn(session_id, record.version, new_messages, record.num_tokens)
-        return self._chat_prompt_ids(messages), turn
+        return built[-1], turn
 
     async def _commit_turn(self, call: "_Call", text: str) -> None:
         """Append the finished turn (user messages + reply) in one compare-and-set."""

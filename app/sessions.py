@@ -120,7 +120,8 @@ def fit_history(
     policy: str,
 ) -> tuple[list[dict], int]:
     """The messages to send (history + new) and their prompt token count, under the
-    overflow policy. ``error``: 400 saying how many tokens are over. ``truncate_oldest``:
+    overflow policy. The last call of ``count_tokens`` is always for the messages
+    returned (callers rely on it to reuse what it built). ``error``: 400 saying how many tokens are over. ``truncate_oldest``:
     drop the oldest non-system history messages until it fits."""
     messages = history + new_messages
     num_tokens = count_tokens(messages)

@@ -48,6 +48,23 @@ def test_truncate_oldest_drops_oldest_non_system_first():
     assert n == 60
 
 
+@pytest.mark.parametrize("max_model_len", [100, 70, 5])
+def test_the_last_count_is_of_the_returned_messages(max_model_len):
+    """The ingress reuses the prompt built by the last count instead of building it again."""
+    system = msg("system", 5, "s")
+    history = [system, msg("user", 30, "a"), msg("assistant", 30, "b"), msg("user", 20, "c")]
+    counted = []
+
+    def count(messages):
+        counted.append(list(messages))
+        return count_words(messages)
+
+    messages, n = fit_history(history, [msg("user", 5, "n")], count_tokens=count, max_new_tokens=10,
+                              max_model_len=max_model_len, policy="truncate_oldest")
+    assert counted[-1] == messages and count_words(messages) == n
+    assert len(counted) == {100: 1, 70: 2, 5: 4}[max_model_len]
+
+
 def test_block_hashes_chain_and_tenant_isolation():
     tokens = list(range(40))
     h = block_hashes("m", "t1", tokens, 16)

@@ -94,6 +94,8 @@ class ComputeWorker:
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),
                 ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),
+                ("early_lookups_used", "Prefix lookups started by the router that the worker used instead of its own."),
+                ("early_lookups_failed", "Router-started prefix lookups that failed (the worker then asked itself)."),
             )
         }
         self._kv_reported: dict[str, int] = {}
@@ -201,7 +203,10 @@ class ComputeWorker:
         if kv_stats is None:
             return {}
         s = kv_stats()
-        return {name: getattr(s, name) for name in self._m_kv_counters} | {
+        early = getattr(self._kv_connector, "early_lookups", {})
+        return {name: getattr(s, name) for name in self._m_kv_counters if hasattr(s, name)} | {
+            "early_lookups_used": early.get("used", 0),
+            "early_lookups_failed": early.get("failed", 0),
             "lookups": s.lookups,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
             "import_bytes_per_s": dict(getattr(s, "import_bytes_per_s", {})),

@@ -79,6 +79,9 @@ class DataPlaneKVConnector(KVConnector):
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._stash: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._pending: set[asyncio.Task] = set()
+        # Router-started lookups awaited instead of a call of our own, and those that
+        # failed (then asked again); the worker exports them as a metric.
+        self.early_lookups = {"used": 0, "failed": 0}
         # The loop the connector was built on: ``save`` may be called from an engine's
         # own thread, which has no loop of its own.
         try:
@@ -90,14 +93,25 @@ class DataPlaneKVConnector(KVConnector):
         ref = getattr(self._handle, method).remote(*args, shard_key=shard_key, **kwargs)
         return await asyncio.wait_for(ref, self._timeout_s)
 
-    async def lookup(self, tenant: str, hashes: list[str]) -> PrefixHit:
+    async def lookup(self, tenant: str, hashes: list[str], *, started=None) -> PrefixHit:
         if not hashes:
             return PrefixHit(0)
-        try:
-            hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0], with_refs=True)
-        except Exception as e:
-            logger.warning("KV lookup failed, treating as a miss: %s", e)
-            return PrefixHit(0)
+        hit = None
+        if started is not None:
+            # The router's call for the same hashes (checked by the engine), under way
+            # since the request arrived: usually answered by now.
+            try:
+                hit = await asyncio.wait_for(started, self._timeout_s)
+                self.early_lookups["used"] += 1
+            except Exception as e:  # noqa: BLE001 - ask again below
+                self.early_lookups["failed"] += 1
+                logger.info("router-started KV lookup failed, asking again: %r", e)
+        if hit is None:
+            try:
+                hit = await self._call("lookup_prefix", tenant, hashes, shard_key=hashes[0], with_refs=True)
+            except Exception as e:
+                logger.warning("KV lookup failed, treating as a miss: %s", e)
+                return PrefixHit(0)
         if hit.num_blocks:
             key = (tenant, hashes[hit.num_blocks - 1])
             _remember(self._tiers, key, hit.tier, _MAX_REMEMBERED)

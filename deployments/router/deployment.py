@@ -121,6 +121,10 @@ class Router:
         self._m_prefetch = metrics.Counter(
             "llm_router_prefetch_requests", "Prefetches of session KV blocks asked of the data plane."
         )
+        self._m_kv_lookups = metrics.Counter(
+            "llm_router_kv_lookups_started",
+            "KV prefix lookups the router started for the worker as a request arrived.",
+        )
         self._m_retries = metrics.Counter(
             "llm_router_retries",
             "Requests sent to a worker again because the first one died before any token.",
@@ -133,27 +137,45 @@ class Router:
         )
         self._prefetch_tasks: set[asyncio.Task] = set()
 
-    def _prefetch(self, request: GenerationRequest) -> None:
-        """Ask the data plane to bring a session's blocks up to host memory while the
-        request waits here: compute (queueing) and data (fetching) overlap."""
-        # Only the torch engine reads blocks through the data plane's host-memory tier;
-        # vLLM's connector reads Redis directly (docs/vllm_kv.md), so nothing to warm.
-        if self._dataplane is None or request.session_id is None:
-            return
+    def _kv_hashes(self, request: GenerationRequest) -> list[str]:
+        """The block hashes the worker's engine will look up for this prompt (all but its
+        last token), when KV reuse goes through the data plane (the torch engine; vLLM's
+        connector reads Redis directly, docs/vllm_kv.md); else none."""
         dc = self._config.dataplane
-        if self._config.engine.name != "torch" or not dc.kv_reuse or dc.prefetch == "off":
-            return
-        if dc.prefetch == "when_queued" and self._has_idle_worker():
-            # Dispatched at once: the worker looks the prefix up itself right away.
-            return
-        hashes = block_hashes(
-            self._config.model.id,
-            request.tenant,
-            request.prompt_token_ids[:-1],
-            self._config.dataplane.block_size,
-        )
+        if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
+            return []
+        return block_hashes(self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size)
+
+    async def _start_kv_lookup(self, request: GenerationRequest) -> None:
+        """Start the data plane's lookup of the prompt's prefix now and hand the call to
+        the worker with the request (``kv_lookup``): it runs while the request travels to
+        the worker, whose engine would otherwise make the same call first thing, so a
+        miss costs less and a hit starts loading sooner. Any failure only means the
+        worker asks itself."""
+        hashes = self._kv_hashes(request)
         if not hashes:
             return
+        try:
+            call = self._dataplane.lookup_prefix.remote(request.tenant, hashes, shard_key=hashes[0], with_refs=True)
+            # Resolves once the call is assigned to a data-plane replica (not answered).
+            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=1.0)
+            request.kv_lookup_key = hashes[-1]
+            self._m_kv_lookups.inc()
+        except Exception as e:  # noqa: BLE001 - the worker looks up itself
+            logger.debug("router-started KV lookup not started: %r", e)
+
+    def _prefetch(self, request: GenerationRequest) -> bool:
+        """Ask the data plane to bring a session's blocks up to host memory while the
+        request waits here: compute (queueing) and data (fetching) overlap. Whether it did."""
+        if request.session_id is None:
+            return False
+        dc = self._config.dataplane
+        if dc.prefetch == "off" or (dc.prefetch == "when_queued" and self._has_idle_worker()):
+            # Dispatched at once: the router-started lookup serves it instead.
+            return False
+        hashes = self._kv_hashes(request)
+        if not hashes:
+            return False
         self._m_prefetch.inc()
         task = asyncio.ensure_future(
             self._dataplane.prefetch.remote(request.tenant, hashes, shard_key=hashes[0])
@@ -161,6 +183,7 @@ class Router:
         # Keep a reference until done; a failed prefetch only costs the later fetch.
         self._prefetch_tasks.add(task)
         task.add_done_callback(self._prefetch_done)
+        return True
 
     def _prefetch_done(self, task: asyncio.Task) -> None:
         self._prefetch_tasks.discard(task)
@@ -291,7 +314,8 @@ class Router:
         ctx = telemetry.extract_context(request.trace_headers)
         item = None
         try:
-            self._prefetch(request)
+            if not self._prefetch(request):
+                await self._start_kv_lookup(request)
             await self._resolve_batching()
             with self._tracer.start_as_current_span("router.queue", context=ctx) as span:
                 item = _Queued(request, time.monotonic())

@@ -80,10 +80,20 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
 
     from app.sessions import TOKEN_IDS_KEY, exact_prompt_ids
 
+    from ray import serve
+
+    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    before = worker.kv_stats.remote().result(timeout_s=30)
     client = served_app.client()
     sid = new_session(served_app)["id"]
     first = turn(client, served_app.model_id, sid, "a long first message " * 6, max_tokens=12)
     second = turn(client, served_app.model_id, sid, "and a follow up", max_tokens=12)
+    after = worker.kv_stats.remote().result(timeout_s=30)
+    if served_app.engine == "torch":
+        # Both turns' prefix lookups were started by the router as they arrived and
+        # awaited by the worker instead of a call of its own.
+        assert after["early_lookups_used"] - before["early_lookups_used"] == 2, (before, after)
+        assert after["early_lookups_failed"] == before["early_lookups_failed"]
     messages = stored_record(served_app, sid).messages
     history = messages[:2]
     assert history[1]["content"] == first.choices[0].message.content

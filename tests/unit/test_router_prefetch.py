@@ -1,12 +1,15 @@
 """When the router asks the data plane for a prefetch (``dataplane.prefetch``): with
 ``when_queued`` only while no worker is idle (the request will wait); with an idle worker
-the request leaves at once and the worker's own lookup follows, so a prefetch would only
-add a data-plane call in front of it. Test doubles for the handles; no Ray cluster."""
+the request leaves at once, so a prefetch would only add a data-plane call in front of the
+lookup. The router starts that lookup itself then (``kv_lookup``), for the worker to await
+instead of asking; and the worker's connector falls back to its own call when the
+router's failed. Test doubles for the handles; no Ray cluster."""
 
 import asyncio
 
 import pytest
 
+from deployments.compute.engines.kv import PrefixHit
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
 from deployments.router import placement
 from deployments.router.deployment import Router
@@ -25,9 +28,32 @@ class _Calls:
         return done()
 
 
+class _Started:
+    """What a Serve handle call returns: ``_to_object_ref`` resolves once assigned."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    async def _to_object_ref(self):
+        if isinstance(self.ref, Exception):
+            raise self.ref
+        return self.ref
+
+
+class _Lookups:
+    def __init__(self, ref="lookup-ref"):
+        self.calls = []
+        self.ref = ref
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return _Started(self.ref)
+
+
 class _DataPlane:
     def __init__(self):
         self.prefetch = _Calls()
+        self.lookup_prefix = _Lookups()
 
 
 class _Worker:
@@ -64,7 +90,7 @@ async def test_prefetch_policy(one_worker, policy, inflight, expected):
     dp = _DataPlane()
     router = _router(policy, dp)
     router._num_inflight = inflight
-    router._prefetch(_session_request())
+    assert router._prefetch(_session_request()) == bool(expected)
     await asyncio.sleep(0)
     assert len(dp.prefetch.calls) == expected
     if expected:
@@ -80,3 +106,73 @@ async def test_no_prefetch_for_requests_without_a_session(one_worker):
     request.session_id = None
     router._prefetch(request)
     assert dp.prefetch.calls == []
+
+
+async def test_router_starts_the_lookup_the_worker_would_make(one_worker):
+    dp = _DataPlane()
+    router = _router("when_queued", dp)
+    request = _session_request()
+    await router._start_kv_lookup(request)
+    (tenant, hashes), kwargs = dp.lookup_prefix.calls[0]
+    assert tenant == "default" and len(hashes) == 3 and kwargs == {"shard_key": hashes[0], "with_refs": True}
+    # What the engine checks against its own hashes before it awaits the call.
+    assert request.kv_lookup == "lookup-ref" and request.kv_lookup_key == hashes[-1]
+
+
+@pytest.mark.parametrize("case", ["vllm", "no_reuse", "short_prompt", "dataplane_down"])
+async def test_no_router_lookup_when_it_cannot_serve_the_worker(one_worker, case):
+    dp = _DataPlane()
+    config = {"dataplane": {"block_size": 16, "kv_reuse": case != "no_reuse"},
+              "engine": {"name": "vllm" if case == "vllm" else "torch"}}
+    router = Router(_Worker(), config, dp)
+    request = _session_request()
+    if case == "short_prompt":
+        request.prompt_token_ids = list(range(10))  # not one whole block
+    if case == "dataplane_down":
+        dp.lookup_prefix.ref = ConnectionError("no replica")
+    await router._start_kv_lookup(request)  # never raises
+    assert request.kv_lookup is None and request.kv_lookup_key is None
+    assert len(dp.lookup_prefix.calls) == (1 if case == "dataplane_down" else 0)
+
+
+class _Handle:
+    """The data plane's handle as the worker's connector calls it."""
+
+    def __init__(self):
+        self.lookups = 0
+
+    @property
+    def lookup_prefix(self):
+        handle = self
+
+        class _M:
+            def remote(self, *args, **kwargs):
+                handle.lookups += 1
+
+                async def answer():
+                    return PrefixHit(2, "L2", 100)
+
+                return answer()
+
+        return _M()
+
+
+async def test_the_connector_awaits_the_router_started_lookup_instead_of_asking():
+    from deployments.dataplane.connector import DataPlaneKVConnector
+
+    handle = _Handle()
+    connector = DataPlaneKVConnector(handle, 16)
+
+    async def started():
+        return PrefixHit(3, "L3", 300)
+
+    hit = await connector.lookup("default", ["a", "b", "c"], started=started())
+    assert (hit.num_blocks, hit.tier) == (3, "L3") and handle.lookups == 0
+    assert connector.early_lookups == {"used": 1, "failed": 0}
+
+    async def failed():
+        raise ConnectionError("data-plane replica died")
+
+    hit = await connector.lookup("default", ["a", "b", "c"], started=failed())
+    assert (hit.num_blocks, hit.tier) == (2, "L2") and handle.lookups == 1  # asked itself
+    assert connector.early_lookups == {"used": 1, "failed": 1}

@@ -66,8 +66,10 @@ class KVConnector(abc.ABC):
     block_size: int
 
     @abc.abstractmethod
-    async def lookup(self, tenant: str, hashes: list[str]) -> PrefixHit:
-        """How many leading blocks of ``hashes`` are stored, and where."""
+    async def lookup(self, tenant: str, hashes: list[str], *, started=None) -> PrefixHit:
+        """How many leading blocks of ``hashes`` are stored, and where. ``started``: the
+        same lookup already under way (a request's ``kv_lookup``, started by the router),
+        to await instead of asking again; a store that cannot use it ignores it."""
 
     @abc.abstractmethod
     async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes | memoryview]]:

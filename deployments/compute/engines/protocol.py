@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Optional
+from typing import Any, AsyncIterator, Literal, Optional
 
 FinishReason = Literal["stop", "length"]
 
@@ -54,6 +54,12 @@ class GenerationRequest:
     # holds the deltas back and may run the request again even after a worker that died
     # had produced tokens.
     buffered: bool = False
+    # KV reuse: the data plane's lookup of this prompt's prefix, started by the router as
+    # the request arrived (a Ray ObjectRef of ``lookup_prefix``'s PrefixHit), so that it
+    # runs while the request travels to its worker; ``kv_lookup_key`` is the last block
+    # hash it looked up, which the worker checks against its own before using it.
+    kv_lookup: Optional[Any] = None
+    kv_lookup_key: Optional[str] = None
 
 
 @dataclass(slots=True)

@@ -412,7 +412,10 @@ class TorchEngine(Engine):
         t0 = time.perf_counter()
         try:
             # The data plane may hold more than L1 (a turn served by another replica).
-            hit = await kv.lookup(tenant, hashes) if l1_blocks < len(hashes) else PrefixHit(0)
+            hit = PrefixHit(0)
+            if l1_blocks < len(hashes):
+                started = request.kv_lookup if request.kv_lookup_key == hashes[-1] else None
+                hit = await kv.lookup(tenant, hashes, started=started)
             t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:

@@ -158,7 +158,8 @@ class Router:
         try:
             call = self._dataplane.lookup_prefix.remote(request.tenant, hashes, shard_key=hashes[0], with_refs=True)
             # Resolves once the call is assigned to a data-plane replica (not answered).
-            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=1.0)
+            # Bounded: with no data-plane replica to take it, the worker asks itself later.
+            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=0.2)
             request.kv_lookup_key = hashes[-1]
             self._m_kv_lookups.inc()
         except Exception as e:  # noqa: BLE001 - the worker looks up itself

@@ -98,7 +98,6 @@ async def run(args) -> dict:
 
     ttfts = {m: [[] for _ in range(args.turns)] for m in MODES}
     mismatched = {m: 0 for m in MODES}
-    fetch_ms, fetched_blocks = [], []
     for rnd in range(args.rounds):
         rng = random.Random(1000 + rnd)
         order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
@@ -110,15 +109,10 @@ async def run(args) -> dict:
             for m in order:
                 e = engines[m]
                 prompt = contexts[m] + turns[t]
-                n_fetch = len(e._kv.fetches) if e._kv is not None else 0
                 ttft, out = await turn(e, f"r{rnd}-t{t}-{m}", prompt, args.reply_tokens)
                 ttfts[m][t].append(ttft)
                 replies[m].append(out)
                 contexts[m] = prompt + out
-                if m == "import" and e._kv is not None and len(e._kv.fetches) > n_fetch:
-                    _, nbytes, seconds = e._kv.fetches[-1]
-                    fetch_ms.append(1000 * seconds)
-                    fetched_blocks.append(nbytes)
             _say(f"round {rnd + 1} turn {t + 1} (context {len(contexts['recompute'])} tokens): " + ", ".join(
                 f"{m} {1000 * ttfts[m][t][-1]:.1f} ms" for m in MODES))
         for m in ("import", "l1", "auto"):
@@ -152,7 +146,6 @@ async def run(args) -> dict:
         # What each engine's decision would use: its own prefills (in "auto", mostly the
         # short suffixes after an import).
         "prefill_tokens_per_s_by_mode": prefill_by_mode,
-        "import_load_ms_median": statistics.median(fetch_ms) if fetch_ms else None,
         "import_bytes_per_s": import_rates,
         "kv_stats": {m: dataclasses.asdict(s) for m, s in stats.items()},
     }

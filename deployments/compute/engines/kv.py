@@ -15,7 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# Tiers, fastest first. "L1" is the engine's own cache and never crosses this interface.
+# Tiers, fastest first. L1 is the engine's own cache: it never crosses this interface,
+# but the engine's fetch-or-recompute decision measures it like the others.
 TIER_L1 = "L1"
 TIER_L2 = "L2"
 TIER_L3 = "L3"

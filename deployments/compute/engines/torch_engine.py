@@ -419,20 +419,18 @@ class TorchEngine(Engine):
             t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:
-                if l1_blocks and self._worth_importing(TIER_L1, l1_blocks, l1_blocks * self._l1_block_bytes()):
-                    return await self._from_l1(hashes, l1_blocks)
-                return None
+                return await self._l1_prefix(hashes, l1_blocks)
             if num_blocks != hit.num_blocks:
                 hit = PrefixHit(num_blocks, hit.tier, hit.num_bytes * num_blocks // max(1, hit.num_blocks))
             if not self._worth_importing(hit.tier, num_blocks, hit.num_bytes, kv.bandwidth_bytes_per_s(hit.tier)):
-                return await self._from_l1(hashes, l1_blocks)  # what L1 holds of it, if any
+                return await self._l1_prefix(hashes, l1_blocks)  # what L1 holds of it, if any
             started = time.perf_counter()
             blocks = await kv.load(tenant, hashes[:num_blocks])
             elapsed = time.perf_counter() - started
             if blocks is None or len(blocks) != num_blocks:
                 stats.fetch_failures += 1
                 logger.info("kv prefix load of %d blocks missed for %s", num_blocks, request.request_id)
-                return await self._from_l1(hashes, l1_blocks)
+                return await self._l1_prefix(hashes, l1_blocks)
             num_bytes = sum(len(b) for b in blocks)
             if elapsed > 0:
                 kv.record_fetch(hit.tier, num_bytes, elapsed)
@@ -501,6 +499,15 @@ class TorchEngine(Engine):
         if self._l1 is not None and hashes:
             self._l1.put(hashes, prefix)  # a fetched prefix is local from now on (on the host)
         return prefix.to(self.device)
+
+    async def _l1_prefix(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
+        """What L1 holds of the prefix (its first ``num_blocks`` blocks), when importing it
+        is measured to beat prefilling it (the same decision as for the store's tiers)."""
+        if num_blocks <= 0 or self._l1 is None:
+            return None
+        if not self._worth_importing(TIER_L1, num_blocks, num_blocks * self._l1_block_bytes()):
+            return None
+        return await self._from_l1(hashes, num_blocks)
 
     async def _from_l1(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
         """The first ``num_blocks`` blocks from L1 as one prefix tensor on the engine's

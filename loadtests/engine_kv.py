@@ -77,14 +77,13 @@ async def run(args) -> dict:
     model_path = ensure_model(model_dir, args.preset, quiet=False)
     common = dict(max_num_seqs=4, dtype=args.dtype, num_threads=args.num_threads, model_id=f"bench-{args.preset}",
                   block_size=args.block_size, device=args.device)
+    stores = {m: DictKVConnector(args.block_size) for m in ("import", "l1", "auto")}
     engines = {
         "recompute": TorchEngine(str(model_path), **common),
-        "import": TorchEngine(str(model_path), kv_connector=DictKVConnector(args.block_size), always_fetch=True,
-                              **common),
-        "l1": TorchEngine(str(model_path), kv_connector=DictKVConnector(args.block_size), always_fetch=True,
+        "import": TorchEngine(str(model_path), kv_connector=stores["import"], always_fetch=True, **common),
+        "l1": TorchEngine(str(model_path), kv_connector=stores["l1"], always_fetch=True,
                           prefix_cache_bytes=args.l1_bytes, **common),
-        "auto": TorchEngine(str(model_path), kv_connector=DictKVConnector(args.block_size),
-                            prefix_cache_bytes=args.l1_bytes, **common),
+        "auto": TorchEngine(str(model_path), kv_connector=stores["auto"], prefix_cache_bytes=args.l1_bytes, **common),
     }
     for e in engines.values():
         await e.start()
@@ -117,9 +116,8 @@ async def run(args) -> dict:
                 f"{m} {1000 * ttfts[m][t][-1]:.1f} ms" for m in MODES))
         for m in ("import", "l1", "auto"):
             mismatched[m] += sum(a != b for a, b in zip(replies[m], replies["recompute"]))
-        for e in engines.values():
-            if e._kv is not None:
-                e._kv.clear()
+        for store in stores.values():
+            store.clear()
     stats = {m: e.kv_stats() for m, e in engines.items()}
     prefill_speed = engines["recompute"].prefill_tokens_per_s()
     prefill_by_mode = {m: e.prefill_tokens_per_s() for m, e in engines.items()}

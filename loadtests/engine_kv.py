@@ -121,6 +121,7 @@ async def run(args) -> dict:
     stats = {m: e.kv_stats() for m, e in engines.items()}
     prefill_speed = engines["recompute"].prefill_tokens_per_s()
     prefill_by_mode = {m: e.prefill_tokens_per_s() for m, e in engines.items()}
+    prefill_fixed_by_mode = {m: e.prefill_fixed_seconds() for m, e in engines.items()}
     import_rates = {m: {t: engines[m].import_bytes_per_s(t) for t in ("L1", "L2")} for m in ("import", "l1", "auto")}
     for e in engines.values():
         await e.shutdown()
@@ -141,9 +142,10 @@ async def run(args) -> dict:
         "replies_differing_from_recompute": mismatched,
         "replies_compared": args.rounds * args.turns,
         "prefill_tokens_per_s": prefill_speed,
-        # What each engine's decision would use: its own prefills (in "auto", mostly the
-        # short suffixes after an import).
+        # What each engine's decision would use, fitted to its own prefills (in "auto",
+        # mostly the short suffixes after an import): marginal speed and fixed cost.
         "prefill_tokens_per_s_by_mode": prefill_by_mode,
+        "prefill_fixed_seconds_by_mode": prefill_fixed_by_mode,
         "import_bytes_per_s": import_rates,
         "kv_stats": {m: dataclasses.asdict(s) for m, s in stats.items()},
     }
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{report['ttft_ms_by_turn'][m][t]:>12.1f}" for m in MODES))
     print(json.dumps({k: report[k] for k in ("device_name", "dtype", "ratios", "replies_differing_from_recompute",
-                                             "prefill_tokens_per_s", "import_bytes_per_s")}, indent=2))
+                                             "prefill_tokens_per_s", "prefill_tokens_per_s_by_mode",
+                                             "prefill_fixed_seconds_by_mode", "import_bytes_per_s")}, indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), **report})}")
     return 0
 

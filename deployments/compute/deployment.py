@@ -101,7 +101,12 @@ class ComputeWorker:
         self._kv_reported: dict[str, int] = {}
         # What the engine's fetch-or-recompute decision compares (engines/kv.py:should_fetch).
         self._m_prefill_speed = metrics.Gauge(
-            "llm_engine_prefill_tokens_per_s", "Measured prefill speed (prompt tokens per second).", tag_keys=tags
+            "llm_engine_prefill_tokens_per_s",
+            "Measured marginal prefill speed (prompt tokens per second beyond a prefill's fixed cost).",
+            tag_keys=tags,
+        )
+        self._m_prefill_fixed = metrics.Gauge(
+            "llm_engine_prefill_fixed_seconds", "Measured fixed cost of a prefill (seconds).", tag_keys=tags
         )
         self._m_import_speed = metrics.Gauge(
             "llm_engine_kv_import_bytes_per_s",
@@ -209,6 +214,7 @@ class ComputeWorker:
             "early_lookups_failed": early.get("failed", 0),
             "lookups": s.lookups,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
+            "prefill_fixed_seconds": getattr(s, "prefill_fixed_seconds", None),
             "import_bytes_per_s": dict(getattr(s, "import_bytes_per_s", {})),
         }
 
@@ -262,6 +268,8 @@ class ComputeWorker:
         kv = self.kv_stats()
         if kv.get("prefill_tokens_per_s"):
             self._m_prefill_speed.set(kv["prefill_tokens_per_s"])
+        if kv.get("prefill_fixed_seconds") is not None:
+            self._m_prefill_fixed.set(kv["prefill_fixed_seconds"])
         for tier, rate in kv.get("import_bytes_per_s", {}).items():
             self._m_import_speed.set(rate, tags={"tier": tier})
         for name, value in kv.items():

@@ -274,6 +274,43 @@ async def test_a_slow_import_is_recomputed_even_from_a_fast_store(engine, store,
 
 
 @pytest.mark.asyncio
+async def test_a_prefix_costs_only_its_marginal_prefill_time(engine, store, monkeypatch):
+    """A forward pass with a large fixed cost, as a small model's is on a GPU: a prefix of
+    48 tokens adds almost nothing to a prefill, so even an import far cheaper than that
+    fixed cost is not worth it. (A tokens-per-second average charged every token its share
+    of the fixed cost, ~0.27 s for these 48, and kept importing: measured on an H200.)"""
+    import time as _time
+
+    ids = encode(engine, PROMPTS[0])
+    forward = engine.model.forward
+
+    def fixed_cost_forward(*args, **kwargs):
+        _time.sleep(0.2)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", fixed_cost_forward)
+    await run_and_export(engine, make_request("prime-fixed", ids, max_tokens=2))  # a full prefill
+    store.bandwidth = 1e12
+    decode = engine._decode_prefix
+
+    def import_100ms(*args, **kwargs):
+        _time.sleep(0.1)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode_prefix", import_100ms)
+    before = engine.kv_stats()
+    tokens = await collect(engine, make_request("imports", ids, max_tokens=2))  # a suffix prefill
+    mid = engine.kv_stats()
+    assert mid.prefix_hit_tokens > before.prefix_hit_tokens
+    imported = mid.prefix_hit_tokens - before.prefix_hit_tokens
+    assert engine._prefill_time.marginal_seconds(imported) < 0.05  # ~ms, not the 0.2 s fixed cost
+    assert mid.prefill_fixed_seconds > 0.15
+    assert await collect(engine, make_request("recomputes", ids, max_tokens=2)) == tokens
+    after = engine.kv_stats()
+    assert after.fetch_skipped == mid.fetch_skipped + 1 and after.prefix_hit_tokens == mid.prefix_hit_tokens
+
+
+@pytest.mark.asyncio
 async def test_recomputing_a_slow_tier_still_re_measures_it_now_and_then(engine, store):
     from deployments.compute.engines.torch_engine import _EXPLORE_EVERY_SKIPS
 

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from deployments.compute.engines.kv import PrefixHit, should_fetch
+from deployments.compute.engines.kv import PrefillTimeModel, PrefixHit, should_fetch
 from deployments.compute.engines.kv_codec import (
     CorruptBlockError,
     block_shape,
@@ -148,23 +148,74 @@ def test_block_shape_from_config():
 
 
 def test_no_hit_is_never_fetched():
-    assert not should_fetch(PrefixHit(0), bandwidth_bytes_per_s=None, prefill_tokens_per_s=None, block_size=16)
-    assert not should_fetch(PrefixHit(0, "L2", 0), bandwidth_bytes_per_s=1e12, prefill_tokens_per_s=1.0, block_size=16)
+    assert not should_fetch(PrefixHit(0), bandwidth_bytes_per_s=None, recompute_seconds=None)
+    assert not should_fetch(PrefixHit(0, "L2", 0), bandwidth_bytes_per_s=1e12, recompute_seconds=10.0)
 
 
 def test_unmeasured_is_fetched():
     hit = PrefixHit(4, "L3", 4 * 1_000_000)
-    assert should_fetch(hit, bandwidth_bytes_per_s=None, prefill_tokens_per_s=None, block_size=16)
-    assert should_fetch(hit, bandwidth_bytes_per_s=1.0, prefill_tokens_per_s=None, block_size=16)
-    assert should_fetch(hit, bandwidth_bytes_per_s=None, prefill_tokens_per_s=1e9, block_size=16)
+    assert should_fetch(hit, bandwidth_bytes_per_s=None, recompute_seconds=None)
+    assert should_fetch(hit, bandwidth_bytes_per_s=1.0, recompute_seconds=None)
+    assert should_fetch(hit, bandwidth_bytes_per_s=None, recompute_seconds=1e-9)
 
 
 def test_slow_tier_recomputes_fast_tier_fetches():
-    hit = PrefixHit(4, "L3", 4 * 1_000_000)  # 4 MB for 64 tokens
-    # 1 MB/s → 4 s to fetch; 1000 tok/s → 0.064 s to recompute.
-    assert not should_fetch(hit, bandwidth_bytes_per_s=1e6, prefill_tokens_per_s=1000.0, block_size=16)
+    hit = PrefixHit(4, "L3", 4 * 1_000_000)  # 4 MB
+    # 1 MB/s → 4 s to fetch, against 0.064 s to recompute.
+    assert not should_fetch(hit, bandwidth_bytes_per_s=1e6, recompute_seconds=0.064)
     # 10 GB/s → 0.4 ms to fetch.
-    assert should_fetch(hit, bandwidth_bytes_per_s=1e10, prefill_tokens_per_s=1000.0, block_size=16)
+    assert should_fetch(hit, bandwidth_bytes_per_s=1e10, recompute_seconds=0.064)
+
+
+# ---------------------------------------------------------------- PrefillTimeModel
+
+
+def test_prefill_model_fits_fixed_and_per_token_cost():
+    model = PrefillTimeModel()
+    assert model.per_token_seconds is None and model.marginal_seconds(100) is None
+    for tokens in (40, 100, 2100, 70, 130, 1800, 90):
+        model.add(tokens, 0.005 + tokens * 2e-4)
+    assert model.fixed_seconds == pytest.approx(0.005, rel=1e-6)
+    assert model.per_token_seconds == pytest.approx(2e-4, rel=1e-6)
+    assert model.marginal_seconds(2000) == pytest.approx(0.4, rel=1e-6)
+
+
+def test_prefill_model_charges_a_prefix_only_its_marginal_cost():
+    """The H200 case: short prefills that are nearly all fixed cost. A tokens-per-second
+    average charges 2000 tokens ~40 ms; their marginal cost is ~2 ms."""
+    model = PrefillTimeModel()
+    sizes = (60, 160, 90, 130, 100, 2100, 80, 150)
+    for tokens in sizes:
+        model.add(tokens, 0.003 + tokens * 1e-6)
+    assert model.marginal_seconds(2000) == pytest.approx(0.002, rel=1e-3)
+    average_per_token = sum(0.003 + n * 1e-6 for n in sizes) / sum(sizes)
+    assert 2000 * average_per_token > 0.01  # what the old average charged them
+    # The import of 2000 tokens' blocks (32 MiB at 1.5 GB/s: ~22 ms) loses to that.
+    hit = PrefixHit(125, "L2", 32 << 20)
+    assert not should_fetch(hit, bandwidth_bytes_per_s=1.5e9, recompute_seconds=model.marginal_seconds(2000))
+
+
+def test_prefill_model_without_spread_uses_the_average_and_follows_recent_samples():
+    model = PrefillTimeModel(decay=0.5)
+    for _ in range(5):
+        model.add(100, 0.010)  # all one size: no slope to fit
+    assert model.fixed_seconds == 0.0
+    assert model.per_token_seconds == pytest.approx(1e-4)
+    for _ in range(30):  # the machine got 4× slower: recent samples win
+        model.add(100, 0.040)
+    assert model.per_token_seconds == pytest.approx(4e-4, rel=1e-3)
+
+
+def test_prefill_model_ignores_empty_samples_and_never_goes_negative():
+    model = PrefillTimeModel()
+    model.add(0, 0.01)
+    model.add(10, 0.0)
+    assert model.per_token_seconds is None
+    # Bigger prefills measured faster (noise): the slope is clamped at zero.
+    model.add(100, 0.02)
+    model.add(1000, 0.01)
+    assert model.per_token_seconds == 0.0
+    assert model.fixed_seconds >= 0.0
 
 
 def test_pack_unpack_blocks_roundtrip_without_copy_and_length_check():

@@ -107,18 +107,75 @@ def should_fetch(
     hit: PrefixHit,
     *,
     bandwidth_bytes_per_s: Optional[float],
-    prefill_tokens_per_s: Optional[float],
-    block_size: int,
+    recompute_seconds: Optional[float],
 ) -> bool:
     """Fetch the cached prefix unless loading it is measured to be slower than prefilling
-    those tokens again. Without both measurements, fetch (and so learn the bandwidth)."""
+    those tokens again (``recompute_seconds``: what prefilling them adds to the request's
+    prefill). Without both measurements, fetch (and so learn the bandwidth)."""
     if hit.num_blocks == 0:
         return False
-    if not bandwidth_bytes_per_s or not prefill_tokens_per_s:
+    if not bandwidth_bytes_per_s or recompute_seconds is None:
         return True
-    fetch_s = hit.num_bytes / bandwidth_bytes_per_s
-    recompute_s = hit.num_blocks * block_size / prefill_tokens_per_s
-    return fetch_s < recompute_s
+    return hit.num_bytes / bandwidth_bytes_per_s < recompute_seconds
+
+
+class PrefillTimeModel:
+    """Prefill time of ``n`` computed tokens as ``fixed + n × per_token``, fitted by
+    least squares over recent prefills (each sample's weight decays by ``decay`` per
+    newer one).
+
+    What importing a cached prefix of ``n`` tokens saves is the *marginal* cost of those
+    tokens, ``n × per_token``: the request's suffix is prefilled either way, and so is
+    the fixed cost of a forward pass. A plain tokens-per-second average charges the fixed
+    cost to every token; after imports, the prefills an engine sees are short suffixes,
+    and on a GPU their time is nearly all fixed cost, so the average overstated what
+    recomputing a 2k-token prefix costs by an order of magnitude (measured on an H200 with
+    ``loadtests/engine_kv.py``: the engine kept importing at 0.28× the speed of
+    recomputing). Until the samples spread enough in size to fit a slope (relative spread
+    ``min_spread``), the per-token cost is that average, an upper bound."""
+
+    def __init__(self, decay: float = 0.9, min_spread: float = 0.2):
+        self.decay = decay
+        self.min_spread = min_spread
+        # Weighted sums: weight, tokens, seconds, tokens², tokens × seconds.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        x, y = float(tokens), float(seconds)
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + x
+        self._y = d * self._y + y
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * y
+
+    def _fit(self) -> Optional[tuple[float, float]]:
+        """(fixed, per_token) seconds, None before the first sample."""
+        if self._w <= 0 or self._x <= 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = max(0.0, self._xx / self._w - mean_x * mean_x)
+        if var_x < (self.min_spread * mean_x) ** 2:
+            return 0.0, mean_y / mean_x
+        per_token = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+        return max(0.0, mean_y - per_token * mean_x), per_token
+
+    @property
+    def per_token_seconds(self) -> Optional[float]:
+        fit = self._fit()
+        return None if fit is None else fit[1]
+
+    @property
+    def fixed_seconds(self) -> Optional[float]:
+        fit = self._fit()
+        return None if fit is None else fit[0]
+
+    def marginal_seconds(self, tokens: int) -> Optional[float]:
+        """What prefilling ``tokens`` more adds to a prefill; None before any sample."""
+        per_token = self.per_token_seconds
+        return None if per_token is None else tokens * per_token
 
 
 class Ewma:

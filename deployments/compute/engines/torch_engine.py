@@ -41,6 +41,7 @@ from deployments.compute.engines.kv import (
     TIER_L1,
     CheckedBlocks,
     Ewma,
+    PrefillTimeModel,
     KVConnector,
     PrefixHit,
     block_hashes,
@@ -97,8 +98,10 @@ class KVStats:
     # Prompt tokens whose K/V came from this worker's own L1 prefix cache (a subset of
     # prefix_hit_tokens, which counts every reused token).
     l1_hit_tokens: int = 0
-    # EWMA of prefill speed (computed prompt tokens per second); None until measured.
+    # Measured prefill time = fixed + tokens / prefill_tokens_per_s (PrefillTimeModel):
+    # the marginal speed, what recomputing a cached prefix runs at; None until measured.
     prefill_tokens_per_s: Optional[float] = None
+    prefill_fixed_seconds: Optional[float] = None
     # Per tier (L1, L2, L3): measured import speed (stored bytes per second: load, decode,
     # copy to the device), what the fetch-or-recompute decision weighs; measured tiers only.
     import_bytes_per_s: dict[str, float] = field(default_factory=dict)
@@ -234,10 +237,9 @@ class TorchEngine(Engine):
         # Benchmarks: import every stored prefix, measured or not (loadtests/engine_kv.py).
         self.always_fetch = always_fetch
         self._skips_since_fetch: dict[str, int] = {}
-        # Prefill speed = EWMA(tokens) / EWMA(seconds): a ratio of averages, so long
-        # prefills (what recomputing a cached prefix costs) weigh more than short ones.
-        self._prefill_tokens_avg = Ewma()
-        self._prefill_seconds_avg = Ewma()
+        # Prefill time as fixed + per-token cost: recomputing a cached prefix costs its
+        # tokens' per-token part only (see PrefillTimeModel).
+        self._prefill_time = PrefillTimeModel()
         self._export_tasks: set[asyncio.Task] = set()
         # Debug/test hook, called on the loop thread after every forward with
         # (request_ids, logits [batch, vocab] float32 CPU, "prefill" | "decode").
@@ -295,10 +297,15 @@ class TorchEngine(Engine):
         )
 
     def prefill_tokens_per_s(self) -> Optional[float]:
-        """Measured prefill speed (EWMA of computed prompt tokens per second), None until
-        a prefill of at least one block has run."""
-        tokens, seconds = self._prefill_tokens_avg.value, self._prefill_seconds_avg.value
-        return None if not tokens or not seconds else tokens / seconds
+        """Measured marginal prefill speed (prompt tokens per second a prefill adds, its
+        fixed cost left out: ``PrefillTimeModel``), None until a prefill has run or when
+        the tokens measured cost nothing beyond the fixed part."""
+        per_token = self._prefill_time.per_token_seconds
+        return None if not per_token else 1.0 / per_token
+
+    def prefill_fixed_seconds(self) -> Optional[float]:
+        """Measured fixed cost of a prefill (a forward pass of no tokens), None until one ran."""
+        return self._prefill_time.fixed_seconds
 
     def kv_stats(self) -> KVStats:
         """Snapshot of the KV-reuse counters."""
@@ -314,6 +321,7 @@ class TorchEngine(Engine):
             export_failures=s.export_failures,
             l1_hit_tokens=s.l1_hit_tokens,
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
+            prefill_fixed_seconds=self.prefill_fixed_seconds(),
             import_bytes_per_s={
                 tier: rate for tier in self._import_rate if (rate := self.import_bytes_per_s(tier)) is not None
             },
@@ -467,8 +475,7 @@ class TorchEngine(Engine):
         fetch = should_fetch(
             PrefixHit(num_blocks, tier, num_bytes),
             bandwidth_bytes_per_s=self.import_bytes_per_s(tier) or transport_bytes_per_s,
-            prefill_tokens_per_s=self.prefill_tokens_per_s(),
-            block_size=self.block_size,
+            recompute_seconds=self._prefill_time.marginal_seconds(num_blocks * self.block_size),
         )
         skips = self._skips_since_fetch.get(tier, 0)
         if not fetch and skips < _EXPLORE_EVERY_SKIPS:
@@ -731,11 +738,7 @@ class TorchEngine(Engine):
         if imported:
             stats.prefix_hit_tokens += imported
             stats.blocks_imported += imported // self.block_size
-        # Short prefills are dominated by fixed overhead; they would understate the speed
-        # of recomputing a prefix of whole blocks.
-        if computed >= self.block_size and seconds > 0:
-            self._prefill_tokens_avg.update(computed)
-            self._prefill_seconds_avg.update(seconds)
+        self._prefill_time.add(computed, seconds)
 
     def _decode_step(self) -> None:
         batch = self._batch

@@ -209,6 +209,30 @@ def test_unknown_and_malformed_session_ids(served_app):
         turn(served_app.client(), served_app.model_id, "bogus", "hi")
 
 
+def test_a_session_turn_checks_its_body_before_its_session(served_app):
+    """The ingress starts reading the header's session before the body arrives; the
+    answer is still the body's error first, then the session's, and a turn that failed
+    changes nothing."""
+    url = served_app.base_url + "/v1/chat/completions"
+    good = {"model": served_app.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    unknown = {"X-Session-Id": "sess_" + "0" * 32}
+    r = httpx.post(url, content=b"{not json", headers=unknown, timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={**good, "temperature": 9}, headers={"X-Session-Id": "bogus"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    r = httpx.post(url, json={**good, "model": "no-such-model"}, headers=unknown, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    r = httpx.post(url, json=good, headers=unknown, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", r.text
+    r = httpx.post(url, json=good, headers={"X-Session-Id": "bogus"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+    # The header names the session even when the body names another.
+    sid = new_session(served_app)["id"]
+    r = httpx.post(url, json={**good, "session_id": "sess_" + "1" * 32}, headers={"X-Session-Id": sid}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert get_session(served_app, sid).json()["version"] == 1
+
+
 def test_session_ttl_expires(served_app):
     sid = new_session(served_app, ttl_s=1)["id"]
     assert get_session(served_app, sid).status_code == 200

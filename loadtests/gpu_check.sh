@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The torch engine on a CUDA machine, in one run: its tests (prefix import equals recompute,
-# KV codec, sampling) with CUDA as the engine's device, then loadtests/engine_kv.py (KV reuse
+# KV codec, sampling) with CUDA as the engine's device, the vLLM connector's block moves
+# between paged caches on the GPU (tests/unit/test_vllm_kv_blocks.py, no vLLM needed), then loadtests/engine_kv.py (KV reuse
 # versus recompute, per turn) on the small preset and on the medium one (grouped-query
 # attention, head_dim 128) in fp32 and bf16. Needs torch with CUDA, transformers,
 # tokenizers, safetensors, xxhash and pytest with pytest-asyncio; no Ray, Redis or network.
@@ -29,7 +30,8 @@ say "1/2 engine tests, device cuda"
 timeout "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -p no:cacheprovider --noconftest \
     -p tests.fixtures.models -p tests.fixtures.engines \
     tests/integration/test_torch_engine.py tests/integration/test_torch_engine_kv.py \
-    tests/unit/test_kv_codec.py tests/unit/test_prefix_cache.py tests/unit/test_sampling.py 2>&1 | tee -a "$LOG"
+    tests/unit/test_kv_codec.py tests/unit/test_prefix_cache.py tests/unit/test_sampling.py \
+    tests/unit/test_vllm_kv_blocks.py 2>&1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 say "2/2 engine KV reuse versus recompute"

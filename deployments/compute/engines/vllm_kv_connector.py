@@ -34,12 +34,17 @@ Contract
 
 Block layout
 ------------
-vLLM's CPU attention backend keeps, per layer, ``[num_blocks, heads, B, 2*head_dim]``,
-whose block interior is in memory ``[heads, 2(k then v), B, head_dim]``. A stored block is
-every layer's interior stacked in the model's layer order: shape ``[layers, heads, 2, B,
-head_dim]``, dtype of the cache, layout ``"vllm-cpu:layers,heads,kv,tokens,head_dim"``.
-Other per-layer shapes (GPU backends keep ``[2, num_blocks, ...]``) are not handled: the
-connector then stays off (every lookup a miss) and says so once in the log.
+See ``vllm_kv_blocks.py``: every backend hands the connector per-layer views of logical
+shape ``[num_blocks, heads, B, content]``; a stored block is one block's interior in every
+layer of the worker, stacked in layer order, in logical order, moved through host memory
+(on a GPU: one copy off the device per save, one onto it per load). Its header's layout
+names the device kind and the cache dtype setting, because the same shape means other
+things on other backends (the CPU backend's, ``"vllm-cpu:layers,heads,kv,tokens,head_dim"``:
+``[layers, heads, 2 (k, v), B, head_dim]``). With tensor or pipeline parallelism each
+worker stores its own part of a block under ``<hash>@tp<r>of<n>.pp<r>of<n>``; the scheduler
+asks for rank 0's part, and a worker whose part is missing reports a load error, which
+vLLM recomputes. A per-layer view of another shape turns the connector off (every lookup
+a miss), said once in the log.
 """
 
 from __future__ import annotations
@@ -58,6 +63,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from deployments.compute.engines.kv import block_hashes
+from deployments.compute.engines.vllm_kv_blocks import (
+    CPU_LAYOUT,
+    block_bytes,
+    block_layout,
+    gather_blocks,
+    rank_suffix,
+    scatter_blocks,
+)
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, CorruptBlockError, decode_block, encode_block
 
@@ -72,7 +85,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # Under "vllm." so the lines reach vLLM's handlers in the EngineCore and worker processes.
 logger = init_logger("vllm.dataplane_kv_connector")
 
-CPU_LAYOUT = "vllm-cpu:layers,heads,kv,tokens,head_dim"
+__all__ = ["CPU_LAYOUT", "DataPlaneKVConnector"]
 PAYLOAD_TTL_MARGIN_S = 60  # as redis_store: the index expires before its payload
 
 
@@ -166,6 +179,14 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                 self._block_size, wanted, self._block_size,
             )
         self._model_ns = f"{extra.get('model_id') or vllm_config.model_config.model}|vllm"
+        parallel = vllm_config.parallel_config
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._pp_size = int(parallel.pipeline_parallel_size)
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        # The key suffix of rank 0's part of a block (what the scheduler looks up) and of
+        # this worker's own part (set in register_kv_caches).
+        self._lookup_suffix = rank_suffix(0, self._tp_size, 0, self._pp_size)
+        self._suffix = self._lookup_suffix
         self._kv_ttl_s = int(extra.get("kv_ttl_s", 86_400))
         self._session_ttl_s = int(extra.get("session_ttl_s", 1800))
         self._redis = _Redis(extra)  # session block lists
@@ -198,7 +219,7 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         client = self._kv_redis.client() if hashes else None
         if client is not None:
             try:
-                values = client.mget([keys.block_index_key(tenant, h) for h in hashes])
+                values = client.mget([keys.block_index_key(tenant, h + self._lookup_suffix) for h in hashes])
                 present = [v is not None for v in values]
             except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
                 self._kv_redis.failed("lookup", e)
@@ -262,21 +283,33 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         num_blocks = self._kv_cache_config.num_blocks
         shapes = {tuple(t.shape) for t in kv_caches.values()}
-        dtypes = {t.dtype for t in kv_caches.values()}
-        if len(shapes) != 1 or len(dtypes) != 1:
-            logger.warning("KV connector off: layers have different KV shapes %s", shapes)
+        kinds = {(t.dtype, t.device.type) for t in kv_caches.values()}
+        if len(shapes) != 1 or len(kinds) != 1:
+            logger.warning("KV connector off: layers have different KV shapes or dtypes %s %s", shapes, kinds)
             return
         shape = next(iter(shapes))
-        if len(shape) != 4 or shape[0] != num_blocks or shape[2] != self._block_size or shape[3] % 2:
-            logger.warning("KV connector off: unsupported per-layer KV shape %s", shape)
+        dtype, device_type = next(iter(kinds))
+        try:
+            if shape[0] != num_blocks or shape[2] != self._block_size:
+                raise ValueError(f"not [{num_blocks} blocks, heads, {self._block_size} tokens, content]")
+            layout, interior = block_layout(device_type, self._cache_dtype, shape)
+        except (IndexError, ValueError) as e:
+            logger.warning("KV connector off: unsupported per-layer KV shape %s: %s", shape, e)
             return
+        self._suffix = rank_suffix(*self._ranks())
         self._kv_caches = dict(kv_caches)  # insertion order = the model's layer order
-        _, heads, b, two_d = shape
         self._header = BlockHeader(
-            dtype=str(next(iter(dtypes))).removeprefix("torch."),
-            shape=(len(kv_caches), heads, 2, b, two_d // 2),
-            layout=CPU_LAYOUT,
+            dtype=str(dtype).removeprefix("torch."), shape=(len(kv_caches), *interior), layout=layout
         )
+        logger.info("KV connector: blocks of %s, layout %s, key suffix %r", self._header.shape, layout, self._suffix)
+
+    def _ranks(self) -> tuple[int, int, int, int]:
+        """This worker's (tp rank, tp size, pp rank, pp size)."""
+        if self._tp_size <= 1 and self._pp_size <= 1:
+            return 0, 1, 0, 1
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), self._tp_size, get_pp_group().rank_in_group, self._pp_size
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -294,7 +327,7 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         if client is None:
             return 0
         try:
-            datas = client.mget([keys.block_key(t.tenant, h) for h in t.hashes])
+            datas = client.mget([keys.block_key(t.tenant, h + self._suffix) for h in t.hashes])
         except Exception as e:  # noqa: BLE001
             self._kv_redis.failed("load", e)
             return 0
@@ -311,16 +344,12 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                 # Its index entry would offer it again on every lookup (a cache Redis evicts
                 # payloads on its own): drop both, so the next lookup stops before it.
                 try:
-                    client.delete(keys.block_index_key(t.tenant, h), keys.block_key(t.tenant, h))
+                    client.delete(keys.block_index_key(t.tenant, h + self._suffix), keys.block_key(t.tenant, h + self._suffix))
                 except Exception as e2:  # noqa: BLE001 - only a cleanup
                     self._kv_redis.failed("delete of a missing block", e2)
                 break
             blocks.append(payload)
-        caches = list(self._kv_caches.values())
-        for block_id, payload in zip(t.block_ids, blocks):
-            kv = torch.frombuffer(bytearray(payload), dtype=caches[0].dtype).view(self._header.shape)
-            for layer, cache in enumerate(caches):
-                cache[block_id].copy_(kv[layer].reshape(cache.shape[1:]))
+        scatter_blocks(list(self._kv_caches.values()), t.block_ids[: len(blocks)], blocks)
         self.num_loaded_tokens += len(blocks) * self._block_size
         logger.info("KV connector: loaded %d/%d blocks for %s", len(blocks), len(t.hashes), t.req_id)
         return len(blocks)
@@ -351,17 +380,17 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         members: list[tuple[str, list[str]]] = []
         n = 0
         for t in meta.saves:
-            ids = torch.tensor(t.block_ids, dtype=torch.long)
-            # [blocks, layers, heads, B, 2*D] → per block, contiguous [layers, heads, 2, B, D].
-            stacked = torch.stack([c.index_select(0, ids) for c in caches], dim=1)
-            for i, h in enumerate(t.hashes):
-                data = encode_block(self._header, stacked[i].contiguous().view(torch.uint8).numpy().tobytes())
-                pipe.set(keys.block_key(t.tenant, h), data, ex=self._kv_ttl_s + PAYLOAD_TTL_MARGIN_S)
-                pipe.set(keys.block_index_key(t.tenant, h), len(data), ex=self._kv_ttl_s)
+            # [blocks, layers, heads, B, content] in host memory, contiguous per block.
+            stacked = gather_blocks(caches, t.block_ids)
+            names = [h + self._suffix for h in t.hashes]
+            for i, name in enumerate(names):
+                data = encode_block(self._header, block_bytes(stacked, i))
+                pipe.set(keys.block_key(t.tenant, name), data, ex=self._kv_ttl_s + PAYLOAD_TTL_MARGIN_S)
+                pipe.set(keys.block_index_key(t.tenant, name), len(data), ex=self._kv_ttl_s)
                 n += 1
             if t.session_id:
                 skey = keys.session_blocks_key(t.tenant, t.session_id)
-                members.append((skey, [keys.session_block_member(t.chain_head, h) for h in t.hashes]))
+                members.append((skey, [keys.session_block_member(t.chain_head, name) for name in names]))
         member_ttl = max(self._session_ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S
 
         def list_members(p) -> None:

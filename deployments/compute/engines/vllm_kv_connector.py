@@ -62,6 +62,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+try:  # vLLM's guard against GPU↔CPU syncs in the step (a debug mode): ours are deliberate
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+except ImportError:  # pragma: no cover - other vLLM versions
+    from contextlib import nullcontext as gpu_sync_allowed
+
 from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.vllm_kv_blocks import (
     CPU_LAYOUT,
@@ -349,7 +354,8 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
                     self._kv_redis.failed("delete of a missing block", e2)
                 break
             blocks.append(payload)
-        scatter_blocks(list(self._kv_caches.values()), t.block_ids[: len(blocks)], blocks)
+        with gpu_sync_allowed():
+            scatter_blocks(list(self._kv_caches.values()), t.block_ids[: len(blocks)], blocks)
         self.num_loaded_tokens += len(blocks) * self._block_size
         logger.info("KV connector: loaded %d/%d blocks for %s", len(blocks), len(t.hashes), t.req_id)
         return len(blocks)
@@ -381,7 +387,8 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         n = 0
         for t in meta.saves:
             # [blocks, layers, heads, B, content] in host memory, contiguous per block.
-            stacked = gather_blocks(caches, t.block_ids)
+            with gpu_sync_allowed():
+                stacked = gather_blocks(caches, t.block_ids)
             names = [h + self._suffix for h in t.hashes]
             for i, name in enumerate(names):
                 data = encode_block(self._header, block_bytes(stacked, i))

@@ -753,6 +753,8 @@ class IngressDeployment(Ingress):
             try:
                 status = await asyncio.wait_for(self._dataplane.status.remote(), timeout=5.0)
                 body["dataplane"] = "degraded" if status.get("degraded") else "ok"
+                if status.get("degraded_servers"):
+                    body["dataplane_degraded"] = status["degraded_servers"]
             except Exception as e:  # noqa: BLE001
                 logger.info("data plane status unavailable: %s", type(e).__name__)
                 body["dataplane"] = "unavailable"

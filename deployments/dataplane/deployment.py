@@ -60,6 +60,10 @@ WRITE_BATCH = 256
 
 SessionKey = tuple[str, str]  # (tenant, session id)
 
+# The two Redis roles (``dataplane.redis``, ``dataplane.kv_redis``), each degraded apart.
+SESSIONS = "sessions"
+KV = "kv"
+
 
 class _Resident:
     """Blocks held in one object of Ray's object store that this replica owns: the
@@ -125,7 +129,11 @@ class _Metrics:
         self.l2_used = m.Gauge("llm_dataplane_l2_used_bytes", "Bytes held in the L2 memory tier.")
         self.evictions = m.Counter("llm_dataplane_l2_evictions", "Blocks evicted from L2.")
         self.dropped = m.Counter("llm_dataplane_dropped_blocks", "Dirty blocks dropped because Redis was unreachable.")
-        self.degraded = m.Gauge("llm_dataplane_degraded", "1 while this replica cannot reach Redis.")
+        self.degraded = m.Gauge(
+            "llm_dataplane_degraded",
+            "1 while this replica cannot reach a Redis server, by server (sessions, kv).",
+            tag_keys=("server",),
+        )
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
         self.prefetch_used = m.Counter("llm_dataplane_prefetch_used_blocks", "Prefetched blocks later read by a worker.")
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
@@ -147,9 +155,9 @@ class _Metrics:
         if self.enabled and value:
             getattr(self, name).inc(value, tags=tags)
 
-    def set(self, name: str, value: float) -> None:
+    def set(self, name: str, value: float, tags: Optional[dict] = None) -> None:
         if self.enabled:
-            getattr(self, name).set(value)
+            getattr(self, name).set(value, tags=tags)
 
     def observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
         if self.enabled:
@@ -187,8 +195,14 @@ class DataPlane:
         self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
         self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
         self._pending_session_blocks: dict[SessionKey, set[str]] = defaultdict(set)
-        self._degraded = False
-        self._degraded_since: Optional[float] = None
+        # Per Redis server (SESSIONS: the durable one; KV: the blocks' one, the same
+        # server unless dataplane.kv_redis is set): unreachable since when. A KV outage
+        # keeps sessions durable in theirs, and the reverse.
+        self._degraded: dict[str, bool] = {SESSIONS: False, KV: False}
+        self._degraded_since: dict[str, Optional[float]] = {SESSIONS: None, KV: None}
+        # Session block-list members whose blocks a session delete could not erase from
+        # the KV server while it was down, by tenant.
+        self._blocks_to_delete: dict[str, set[str]] = defaultdict(set)
         self._m = _Metrics(enable_metrics)
         self._tracer = telemetry.tracer(__name__)
         self._counts: dict[str, int] = defaultdict(int)
@@ -213,11 +227,13 @@ class DataPlane:
         self._started = True
         if self._object_store:
             self._check_object_store_size()
-        try:
-            await self._store.ping()
-            self._m.set("degraded", 0)
-        except RedisUnavailable as e:
-            self._set_degraded(True, str(e))
+        for server in self._servers():
+            try:
+                await self._store.ping(server)
+                for name in self._linked(server):
+                    self._m.set("degraded", 0, tags={"server": name})
+            except RedisUnavailable as e:
+                self._set_degraded(server, True, str(e))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._write_behind_loop()),
@@ -255,7 +271,7 @@ class DataPlane:
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
-        if not self._degraded:
+        if not self._degraded[KV]:
             try:
                 await self._write_dirty_blocks()
             except RedisUnavailable:
@@ -264,95 +280,139 @@ class DataPlane:
 
     # -- degraded mode ----------------------------------------------------------------
 
-    def _set_degraded(self, degraded: bool, reason: str = "") -> None:
-        if degraded == self._degraded:
+    def _servers(self) -> tuple[str, ...]:
+        """The Redis servers to watch: one when sessions and blocks share it."""
+        return (SESSIONS,) if self._store.shared else (SESSIONS, KV)
+
+    def _linked(self, server: str) -> tuple[str, ...]:
+        """The roles that go down and up with ``server`` (both when shared)."""
+        return (SESSIONS, KV) if self._store.shared else (server,)
+
+    @property
+    def degraded(self) -> bool:
+        """Some Redis server is unreachable (what /ready reports)."""
+        return any(self._degraded.values())
+
+    def _set_degraded(self, server: str, degraded: bool, reason: str = "") -> None:
+        names = self._linked(server)
+        if all(self._degraded[n] == degraded for n in names):
             return
-        self._degraded = degraded
-        self._m.set("degraded", 1 if degraded else 0)
+        since = min((self._degraded_since[n] or time.time()) for n in names)
+        for n in names:
+            self._degraded[n] = degraded
+            self._degraded_since[n] = time.time() if degraded else None
+            self._m.set("degraded", 1 if degraded else 0, tags={"server": n})
+        what = "Redis" if len(names) > 1 else f"the {server} Redis"
         if degraded:
-            self._degraded_since = time.time()
+            kept = "sessions and KV blocks" if len(names) > 1 else (
+                "sessions (KV blocks still go to theirs)" if server == SESSIONS
+                else "KV blocks (sessions still go to theirs)"
+            )
             logger.warning(
-                "DataPlane: Redis unreachable (%s); serving from memory only (degraded), "
+                "DataPlane: %s unreachable (%s); keeping %s in memory only (degraded), "
                 "retrying every %.1fs",
+                what,
                 reason,
+                kept,
                 self._cfg.redis.reconnect_interval_s,
             )
         else:
             logger.info(
-                "DataPlane: Redis reachable again after %.1fs; resynchronised, degraded "
-                "mode off",
-                time.time() - (self._degraded_since or time.time()),
+                "DataPlane: %s reachable again after %.1fs; resynchronised, degraded mode off",
+                what,
+                time.time() - since,
             )
-            self._degraded_since = None
 
-    async def _redis(self, coro_fn, *args, **kwargs):
-        """Run one store call. Raises RedisUnavailable at once while degraded, and
-        switches to degraded mode when the call finds Redis gone."""
-        if self._degraded:
+    async def _redis(self, server: str, coro_fn, /, *args, **kwargs):
+        """Run one call of the store on ``server`` (SESSIONS or KV). Raises
+        RedisUnavailable at once while that server is down, and marks it down when the
+        call finds it gone."""
+        if self._degraded[server]:
             raise RedisUnavailable("degraded")
         try:
             return await coro_fn(*args, **kwargs)
         except RedisUnavailable as e:
-            self._set_degraded(True, str(e))
+            self._set_degraded(server, True, str(e))
             raise
 
     async def _reconnect_loop(self) -> None:
         # Pings while up too, so a replica with no traffic still reports an outage.
         while True:
             await asyncio.sleep(self._cfg.redis.reconnect_interval_s)
-            if not self._degraded:
+            for server in self._servers():
+                if not self._degraded[server]:
+                    try:
+                        await self._redis(server, self._store.ping, server)
+                    except RedisUnavailable:
+                        pass
+                    continue
                 try:
-                    await self._redis(self._store.ping)
+                    await self._store.ping(server)
+                    await self._resync(server)
                 except RedisUnavailable:
-                    pass
-                continue
-            try:
-                await self._store.ping()
-                await self._resync()
-            except RedisUnavailable:
-                continue
-            except Exception:  # a bug here must not end the loop
-                logger.exception("DataPlane: resync failed")
+                    continue
+                except Exception:  # a bug here must not end the loop
+                    logger.exception("DataPlane: resync failed")
 
-    async def _resync(self) -> None:
-        """Write back what was kept in memory, then leave degraded mode. Loops until
-        nothing is left, then flips the flag with no await in between: a request that
-        changed memory during an await is written by the next pass."""
+    async def _resync(self, server: str) -> None:
+        """Write back to ``server`` what was kept in memory while it was down, then mark
+        it up. Loops until nothing is left, then flips the flag with no await in between:
+        a request that changed memory during an await is written by the next pass."""
+        roles = self._linked(server)
         while True:
-            for key in list(self._deleted_sessions):
-                tenant, sid = key
-                await self._store.delete_session(tenant, sid)
-                await self._store.delete_session_blocks(tenant, sid)
-                self._deleted_sessions.discard(key)
-            for key in list(self._dirty_sessions):
-                rec = self._sessions.get(key)
-                if rec is not None and not rec.expired(time.time()):
-                    await self._store.put_session_if_newer(_copy(rec))
-                self._dirty_sessions.discard(key)
-            for key, members in list(self._pending_session_blocks.items()):
-                await self._store.add_session_blocks(
-                    key[0], key[1], sorted(members), self._cfg.sessions.cache_ttl_s
-                )
-                self._pending_session_blocks.pop(key, None)
-            await self._write_dirty_blocks()
-            if not (
-                self._deleted_sessions
-                or self._dirty_sessions
-                or self._pending_session_blocks
-                or self._l2.dirty
-            ):
-                self._set_degraded(False)
+            if SESSIONS in roles:
+                await self._resync_sessions()
+            if KV in roles:
+                for tenant, members in list(self._blocks_to_delete.items()):
+                    await self._store.delete_member_blocks(tenant, sorted(members))
+                    self._blocks_to_delete.pop(tenant, None)
+                await self._write_dirty_blocks()
+            left = (SESSIONS in roles and (self._deleted_sessions or self._dirty_sessions or self._pending_session_blocks)) or (
+                KV in roles and (self._blocks_to_delete or self._l2.dirty)
+            )
+            if not left:
+                self._set_degraded(server, False)
                 return
+
+    async def _resync_sessions(self) -> None:
+        for key in list(self._deleted_sessions):
+            tenant, sid = key
+            await self._store.delete_session(tenant, sid)
+            members = await self._store.session_block_members(tenant, sid)
+            await self._erase_member_blocks(tenant, members)
+            await self._store.forget_session_blocks(tenant, sid)
+            self._deleted_sessions.discard(key)
+        for key in list(self._dirty_sessions):
+            rec = self._sessions.get(key)
+            if rec is not None and not rec.expired(time.time()):
+                await self._store.put_session_if_newer(_copy(rec))
+            self._dirty_sessions.discard(key)
+        for key, members in list(self._pending_session_blocks.items()):
+            await self._store.add_session_blocks(
+                key[0], key[1], sorted(members), self._cfg.sessions.cache_ttl_s
+            )
+            self._pending_session_blocks.pop(key, None)
+
+    async def _erase_member_blocks(self, tenant: str, members: Iterable[str]) -> None:
+        """Delete the blocks of session block-list ``members`` from the KV server, or,
+        while it is down, remember them for when it is back."""
+        members = list(members)
+        if not members:
+            return
+        try:
+            await self._redis(KV, self._store.delete_member_blocks, tenant, members)
+        except RedisUnavailable:
+            self._blocks_to_delete[tenant].update(members)
 
     # -- KV blocks: write-behind ---------------------------------------------------------
 
     async def _write_behind_loop(self) -> None:
         while True:
             await asyncio.sleep(self._cfg.sync_interval_ms / 1000)
-            if self._degraded or not self._l2.dirty:
+            if self._degraded[KV] or not self._l2.dirty:
                 continue
             try:
-                await self._redis(self._write_dirty_blocks)
+                await self._redis(KV, self._write_dirty_blocks)
             except RedisUnavailable:
                 pass
             except Exception:
@@ -392,7 +452,7 @@ class DataPlane:
         dirty = [(e.key, e.value) for e in evicted if e.dirty]
         if dirty:
             try:
-                await self._redis(self._write_blocks, dirty)
+                await self._redis(KV, self._write_blocks, dirty)
             except RedisUnavailable:
                 self._counts["dropped_blocks"] += len(dirty)
                 self._m.inc("dropped", len(dirty))
@@ -458,6 +518,7 @@ class DataPlane:
             members = [keys.session_block_member(shard_key or hashes[0], h) for h in hashes]
             try:
                 await self._redis(
+                    SESSIONS,
                     self._store.add_session_blocks,
                     tenant,
                     session_id,
@@ -487,7 +548,7 @@ class DataPlane:
         missing = [i for i, s in enumerate(sizes) if s is None]
         if missing:
             try:
-                l3 = await self._redis(self._store.block_sizes, tenant, [hashes[i] for i in missing])
+                l3 = await self._redis(KV, self._store.block_sizes, tenant, [hashes[i] for i in missing])
             except RedisUnavailable:
                 l3 = [None] * len(missing)
             for i, size in zip(missing, l3):
@@ -518,7 +579,7 @@ class DataPlane:
     async def _drop_from_l3(self, tenant: str, block_hash: str) -> None:
         """Delete a block (index entry and payload) from Redis; an outage leaves it."""
         try:
-            await self._redis(self._store.delete_blocks, tenant, [block_hash])
+            await self._redis(KV, self._store.delete_blocks, tenant, [block_hash])
         except RedisUnavailable:
             pass
 
@@ -565,7 +626,7 @@ class DataPlane:
         if missing:
             try:
                 _, fetched = await self._redis(
-                    self._store.get_blocks_packed, tenant, [hashes[i] for i in missing]
+                    KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing]
                 )
             except RedisUnavailable:
                 fetched = [None] * len(missing)
@@ -702,7 +763,7 @@ class DataPlane:
         missing = [i for i, k in enumerate(l2_keys) if k not in self._l2]
         if missing:
             try:
-                fetched = await self._redis(self._store.get_blocks, tenant, [hashes[i] for i in missing])
+                fetched = await self._redis(KV, self._store.get_blocks, tenant, [hashes[i] for i in missing])
             except RedisUnavailable:
                 fetched = []
             good: list[tuple[int, bytes]] = []
@@ -737,7 +798,7 @@ class DataPlane:
         await self.start()
         written = 0
         try:
-            written = await self._redis(self._write_dirty_blocks)
+            written = await self._redis(KV, self._write_dirty_blocks)
         except RedisUnavailable:
             pass
         self._prefetched.clear()
@@ -797,7 +858,7 @@ class DataPlane:
         )
         key = (tenant, rec.id)
         try:
-            created = await self._redis(self._store.create_session, rec)
+            created = await self._redis(SESSIONS, self._store.create_session, rec)
         except RedisUnavailable:
             if self._memory_session(tenant, rec.id) is not None:
                 created = False
@@ -818,7 +879,7 @@ class DataPlane:
         await self.start()
         key = (tenant, session_id)
         try:
-            rec = await self._redis(self._store.get_session, tenant, session_id)
+            rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id)
         except RedisUnavailable:
             rec = self._memory_session(tenant, session_id)
             if rec is None:
@@ -855,6 +916,7 @@ class DataPlane:
         max_messages = self._cfg.sessions.max_messages
         try:
             result = await self._redis(
+                SESSIONS,
                 self._store.append,
                 tenant,
                 session_id,
@@ -950,10 +1012,18 @@ class DataPlane:
         self._dirty_sessions.discard(key)
         members = set(self._pending_session_blocks.pop(key, set()))
         try:
-            existed = await self._redis(self._store.delete_session, tenant, session_id) or existed
-            members.update(await self._redis(self._store.delete_session_blocks, tenant, session_id))
+            existed = await self._redis(SESSIONS, self._store.delete_session, tenant, session_id) or existed
+            stored = await self._redis(SESSIONS, self._store.session_block_members, tenant, session_id)
         except RedisUnavailable:
-            self._deleted_sessions.add(key)
+            self._deleted_sessions.add(key)  # its block list too, once the server is back
+        else:
+            members.update(stored)
+            # The blocks before their list: the list is what finds them later.
+            await self._erase_member_blocks(tenant, members)
+            try:
+                await self._redis(SESSIONS, self._store.forget_session_blocks, tenant, session_id)
+            except RedisUnavailable:
+                self._deleted_sessions.add(key)
         await self._drop_blocks_everywhere(tenant, members)
         return existed
 
@@ -997,11 +1067,15 @@ class DataPlane:
 
     async def status(self, shard_key: Optional[str] = None) -> dict:
         await self.start()
+        down = sorted(n for n, d in self._degraded.items() if d)
         return {
-            "degraded": self._degraded,
-            "degraded_since": self._degraded_since,
+            "degraded": bool(down),
+            # Which Redis roles are unreachable: "sessions" (turns are kept in memory
+            # until it is back), "kv" (blocks are), both when they share a server.
+            "degraded_servers": down,
+            "degraded_since": min((self._degraded_since[n] for n in down), default=None),
             "unsynced_sessions": len(self._dirty_sessions) + len(self._deleted_sessions),
-            "unsynced_blocks": len(self._l2.dirty),
+            "unsynced_blocks": len(self._l2.dirty) + sum(len(m) for m in self._blocks_to_delete.values()),
         }
 
     async def stats(self, shard_key: Optional[str] = None) -> dict:
@@ -1009,7 +1083,7 @@ class DataPlane:
         return {
             **self._counts,
             **self._identity(),
-            "degraded": self._degraded,
+            "degraded": self.degraded,
             "l2_used_bytes": self._l2.used_bytes,
             "l2_capacity_bytes": self._l2.capacity_bytes,
             "l2_num_blocks": len(self._l2),

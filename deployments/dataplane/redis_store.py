@@ -255,10 +255,17 @@ class RedisStore:
         for c in self._clients():
             await c.aclose()
 
+    @property
+    def shared(self) -> bool:
+        """Sessions and KV blocks on one server (no ``kv_redis``)."""
+        return self._kv is self._r
+
     @_unavailable
-    async def ping(self) -> bool:
-        """Both servers answer (either one down is an outage: the replica degrades)."""
-        for c in self._clients():
+    async def ping(self, server: Optional[str] = None) -> bool:
+        """The server answers: ``"sessions"`` (the durable one), ``"kv"`` (the blocks'
+        one; the same when shared) or, by default, both."""
+        clients = {"sessions": [self._r], "kv": [self._kv]}.get(server or "", self._clients())
+        for c in clients:
             await c.ping()
         return True
 
@@ -381,11 +388,21 @@ class RedisStore:
         """Delete every block recorded for the session, and the record of them. Returns
         the members ("<shard_key>|<hash>") so the caller can drop L2 copies too."""
         members = await self.session_block_members(tenant, session_id)
+        await self.delete_member_blocks(tenant, members)
+        await self.forget_session_blocks(tenant, session_id)
+        return members
+
+    @_unavailable
+    async def delete_member_blocks(self, tenant: str, members: Sequence[str]) -> None:
+        """Delete the blocks of session block-list members (the KV server only)."""
         hashes = [keys.split_session_block_member(m)[1] for m in members]
         for start in range(0, len(hashes), 512):
             await self.delete_blocks(tenant, hashes[start : start + 512])
+
+    @_unavailable
+    async def forget_session_blocks(self, tenant: str, session_id: str) -> None:
+        """Delete the session's list of its blocks (the sessions server only)."""
         await self._r.delete(keys.session_blocks_key(tenant, session_id))
-        return members
 
     # -- sessions ------------------------------------------------------------------
 

@@ -359,3 +359,90 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
             await dp.shutdown()
             await durable.aclose()
             await cache.aclose()
+
+
+async def _until(predicate, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_each_redis_server_degrades_alone(redis_server):
+    """With blocks on their own server, an outage of one server keeps the other's data
+    going to Redis: during a KV outage every acknowledged turn is in the sessions server at
+    once (durable, not held in memory), and blocks wait in L2; during a sessions outage
+    blocks are still written behind. Each server gets back what it missed, deletions
+    included."""
+    timeouts = {"password_env": None, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "reconnect_interval_s": 0.2}
+    with LocalRedis() as kv_server:  # AOF: what it held survives its restart here
+        durable = aioredis.Redis.from_url(redis_server.url)
+        cache = aioredis.Redis.from_url(kv_server.url)
+        config = AppConfig.model_validate({
+            "dataplane": {
+                "num_replicas": 1,
+                "l2_capacity_bytes": 1 << 24,
+                "sync_interval_ms": 50,
+                "redis": {"url": redis_server.url, **timeouts},
+                "kv_redis": {"url": kv_server.url, **timeouts},
+            }
+        })
+        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+
+        async def down(servers):
+            return (await dp.status())["degraded_servers"] == servers
+
+        try:
+            sid, gone = "sess_" + "d" * 32, "sess_" + "e" * 32
+            for s in (sid, gone):
+                await dp.create_session("deg", session_id=s, ttl_s=600)
+            old = [f"old{i}" for i in range(3)]
+            assert await dp.put_blocks_packed("deg", old, *pack_blocks([block(1000, i) for i in range(3)]), session_id=gone) == 3
+            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in old]))
+
+            kv_server.stop()
+            hashes = [f"new{i}" for i in range(4)]
+            blocks = [block(2000, 10 + i) for i in range(4)]
+            assert await dp.put_blocks_packed("deg", hashes, *pack_blocks(blocks), session_id=sid) == 4
+            await _until(lambda: down(["kv"]))
+            rec = await dp.append_turn("deg", sid, 0, [{"role": "user", "content": "during kv outage"}], 3)
+            assert rec.version == 1
+            stored = await durable.hgetall(keys.session_key("deg", sid))
+            assert int(stored[b"version"]) == 1 and b"during kv outage" in stored[b"messages"]
+            assert len(await durable.smembers(keys.session_blocks_key("deg", sid))) == 4
+            assert await dp.delete_session("deg", gone) is True
+            assert not await durable.exists(keys.session_key("deg", gone), keys.session_blocks_key("deg", gone))
+            status = await dp.status()
+            assert status["degraded"] is True and status["unsynced_sessions"] == 0
+            assert status["unsynced_blocks"] == 4 + 3  # blocks to write, blocks to erase
+            assert (await dp.get_session("deg", sid)).version == 1
+
+            kv_server.start()
+            await _until(lambda: down([]))
+            await cache.aclose()
+            cache = aioredis.Redis.from_url(kv_server.url)  # its connections died with the server
+            for h, b in zip(hashes, blocks):
+                assert await cache.get(keys.block_key("deg", h)) == b
+            assert not await cache.exists(*[keys.block_key("deg", h) for h in old])
+            assert (await dp.status())["unsynced_blocks"] == 0
+
+            redis_server.stop()
+            more = [f"more{i}" for i in range(2)]
+            assert await dp.put_blocks_packed("deg", more, *pack_blocks([block(500, 30), block(500, 31)])) == 2
+            rec = await dp.append_turn("deg", sid, 1, [{"role": "user", "content": "during sessions outage"}], 3)
+            assert rec.version == 2
+            assert await down(["sessions"])
+            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in more]))  # still written behind
+            assert (await dp.status())["unsynced_sessions"] == 1
+
+            redis_server.start()
+            await _until(lambda: down([]))
+            await durable.aclose()
+            durable = aioredis.Redis.from_url(redis_server.url)
+            assert int(await durable.hget(keys.session_key("deg", sid), "version")) == 2
+        finally:
+            if not redis_server.running:
+                redis_server.start()
+            await dp.shutdown()
+            await durable.aclose()
+            await cache.aclose()

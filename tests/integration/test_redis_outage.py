@@ -66,6 +66,11 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
         time.sleep(2)
         redis_server.stop()
         statuses = wait_for_dataplane(base, "degraded")
+        # One server holds both roles here: both are down, and /ready names them.
+        deadline = time.monotonic() + 10
+        while ready_body(base)[1].get("dataplane_degraded") != ["kv", "sessions"]:
+            assert time.monotonic() < deadline, ready_body(base)
+            time.sleep(0.2)
         time.sleep(2)  # traffic keeps flowing with Redis gone
         during = dict(acknowledged)
         redis_server.start()

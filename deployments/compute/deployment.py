@@ -140,6 +140,7 @@ class ComputeWorker:
             self._m_tokens,
             *self._m_kv_counters.values(),
             self._m_prefill_speed,
+            self._m_prefill_fixed,
             self._m_import_speed,
             self._m_queue_depth,
             self._m_drains,

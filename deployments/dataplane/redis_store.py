@@ -260,13 +260,21 @@ class RedisStore:
         """Sessions and KV blocks on one server (no ``kv_redis``)."""
         return self._kv is self._r
 
-    @_unavailable
     async def ping(self, server: Optional[str] = None) -> bool:
         """The server answers: ``"sessions"`` (the durable one), ``"kv"`` (the blocks'
-        one; the same when shared) or, by default, both."""
+        one; the same when shared) or, by default, both. Only the asked server's idle
+        connections are dropped and dialled again on a failure (a degraded replica pings
+        the down server every few hundred ms; the other's pool is left alone)."""
         clients = {"sessions": [self._r], "kv": [self._kv]}.get(server or "", self._clients())
         for c in clients:
-            await c.ping()
+            try:
+                try:
+                    await c.ping()
+                except _CONNECTION_ERRORS:
+                    await c.connection_pool.disconnect(inuse_connections=False)
+                    await c.ping()
+            except _CONNECTION_ERRORS as e:
+                raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
         return True
 
     # -- KV blocks -----------------------------------------------------------------

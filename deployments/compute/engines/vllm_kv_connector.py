@@ -43,7 +43,7 @@ things on other backends (the CPU backend's, ``"vllm-cpu:layers,heads,kv,tokens,
 ``[layers, heads, 2 (k, v), B, head_dim]``). With tensor or pipeline parallelism each
 worker stores its own part of a block under ``<hash>@tp<r>of<n>.pp<r>of<n>``; the scheduler
 asks for rank 0's part, and a worker whose part is missing reports a load error, which
-vLLM recomputes. A per-layer view of another shape turns the connector off (every lookup
+vLLM recomputes (and drops rank 0's index entry, so the block is saved again whole). A per-layer view of another shape turns the connector off (every lookup
 a miss), said once in the log.
 """
 
@@ -347,9 +347,12 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
             except CorruptBlockError as e:
                 logger.warning("KV connector: block %s of tenant %r is a miss: %s", h, t.tenant, e)
                 # Its index entry would offer it again on every lookup (a cache Redis evicts
-                # payloads on its own): drop both, so the next lookup stops before it.
+                # payloads on its own): drop both, so the next lookup stops before it. The
+                # scheduler looks up rank 0's entry: drop that one too (a sharded engine
+                # then saves every rank's part again), or it would offer this block forever.
+                names = {h + self._suffix, h + self._lookup_suffix}
                 try:
-                    client.delete(keys.block_index_key(t.tenant, h + self._suffix), keys.block_key(t.tenant, h + self._suffix))
+                    client.delete(*[keys.block_index_key(t.tenant, n) for n in names], keys.block_key(t.tenant, h + self._suffix))
                 except Exception as e2:  # noqa: BLE001 - only a cleanup
                     self._kv_redis.failed("delete of a missing block", e2)
                 break

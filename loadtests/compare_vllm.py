@@ -14,8 +14,10 @@ Never both at once. The vLLM engine options are the ones our config produces
 caching, seed...), turned into the server's command-line flags, so both run the same
 engine. Each system is measured with ``loadtests.benchmark.run_level`` (completions
 endpoint, token-id prompts, ignore_eos, streaming) at each concurrency. The table, the
-ratios ours/vllm of output-token throughput and of TTFT p50 (median over rounds), and the
-machine's load average around each phase go to stdout and to the JSON file. Loopback
+ratios ours/vllm of output-token throughput and of TTFT p50 (median over rounds), the
+machine's load average around each phase, and where the CPU went (seconds per process
+role over each level, and per 1000 output tokens: vLLM's forward and scheduler, its API
+server or our ingress, worker and Serve proxy) go to stdout and to the JSON file. Loopback
 only. Every process is stopped at the end, also on Ctrl-C or SIGTERM.
 """
 
@@ -203,12 +205,48 @@ class OurApp:
             ray.shutdown()
 
 
+# Process titles (or command-line pieces) -> the role shown in the CPU breakdown.
+_ROLES = (
+    ("VLLM::Worker", "vllm forward (VLLM::Worker)"),
+    ("VLLM::EngineCore", "vllm scheduler (VLLM::EngineCore)"),
+    ("vllm.entrypoints.openai.api_server", "vllm API server"),
+    ("ServeReplica:bench:Ingress", "our ingress + router"),
+    ("ServeReplica:bench:ComputeWorker", "our worker (vLLM frontend)"),
+    ("ProxyActor", "Serve HTTP proxy"),
+    ("ServeController", "Serve controller"),
+    ("compare_vllm", "load generator (this process)"),
+)
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) consumed so far by each role's processes; the rest of
+    the machine under "other"."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for p in psutil.process_iter(["cmdline", "name", "cpu_times"]):
+        try:
+            title = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+            times = p.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if times is None:
+            continue
+        role = next((r for pat, r in _ROLES if pat in title), "other")
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out
+
+
 def measure(base_url: str, system: str, rnd: int, args) -> list[dict]:
     levels = []
     for c in args.concurrency:
         n = max(args.min_prompts, args.prompts_per_slot * c)
         _say(f"round {rnd}: {system} concurrency {c}, {n} requests")
         before = _loadavg()
+        # Per role: CPU seconds over the level, and per 1000 output tokens: where the two
+        # cores go, ours against plain vLLM (processes that started or ended during the
+        # level are not counted).
+        cpu_before = _cpu_by_role()
         level = asyncio.run(
             run_level(
                 base_url, MODEL_NAME, c, n, input_len=args.input_len, output_len=args.output_len,
@@ -216,7 +254,18 @@ def measure(base_url: str, system: str, rnd: int, args) -> list[dict]:
                 label=f"{system} c={c} r{rnd}", progress=False,
             )
         )
-        level.update(system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg())
+        cpu_after = _cpu_by_role()
+        tokens = level.get("total_output_tokens") or 0
+        cpu = {
+            role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3)
+            for role in cpu_after
+            if cpu_after[role] - cpu_before.get(role, 0.0) > 0.005
+        }
+        level.update(
+            system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg(),
+            cpu_seconds_by_role=cpu,
+            cpu_ms_per_1k_output_tokens={r: round(1e6 * v / tokens, 1) for r, v in cpu.items()} if tokens else {},
+        )
         levels.append(level)
     return levels
 
@@ -318,6 +367,11 @@ def main(argv=None) -> int:
             f"{f(r['vllm_ttft_p50']):>8}  {f(r['ttft_p50_ours_over_vllm'], 2):>6}"
         )
     print("startup s:", ", ".join(f"{s['system']} r{s['round']} {s['startup_s']}" for s in startups))
+    print("CPU ms per 1000 output tokens, by process role (last round of each system and level):")
+    last = {(lv["system"], lv["concurrency"]): lv for lv in levels}
+    for (name, c), lv in sorted(last.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        per = sorted(lv.get("cpu_ms_per_1k_output_tokens", {}).items(), key=lambda kv: -kv[1])
+        print(f"  {name} c={c}: " + ", ".join(f"{r} {v:.0f}" for r, v in per))
     _say(f"stored {write_report(args.out, result)}")
     return 0
 

@@ -287,6 +287,21 @@ async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
         await dp.shutdown()
 
 
+def two_server_dataplane(sessions_url: str, kv_url: str, sync_interval_ms: int, **redis_options) -> DataPlane:
+    """A DataPlane (no Serve) with sessions on ``sessions_url`` and blocks on ``kv_url``."""
+    server = {"password_env": None, **redis_options}
+    config = AppConfig.model_validate({
+        "dataplane": {
+            "num_replicas": 1,
+            "l2_capacity_bytes": 1 << 24,
+            "sync_interval_ms": sync_interval_ms,
+            "redis": {"url": sessions_url, **server},
+            "kv_redis": {"url": kv_url, **server},
+        }
+    })
+    return DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+
+
 async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_one(redis_server):
     # dataplane.kv_redis: block payloads and index entries live on a cache server (no
     # persistence, maxmemory, allkeys-lru); sessions and each session's list of its
@@ -294,16 +309,7 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
     with LocalRedis(cache_max_memory="64mb") as kv_server:
         durable = aioredis.Redis.from_url(redis_server.url)
         cache = aioredis.Redis.from_url(kv_server.url)
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "l2_capacity_bytes": 1 << 24,
-                "sync_interval_ms": 60_000,
-                "redis": {"url": redis_server.url, "password_env": None},
-                "kv_redis": {"url": kv_server.url, "password_env": None},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        dp = two_server_dataplane(redis_server.url, kv_server.url, 60_000)
         try:
             # The server is what the embedded default starts for KV blocks.
             assert (await cache.config_get("appendonly"))["appendonly"] == "no"
@@ -374,20 +380,12 @@ async def test_each_redis_server_degrades_alone(redis_server):
     once (durable, not held in memory), and blocks wait in L2; during a sessions outage
     blocks are still written behind. Each server gets back what it missed, deletions
     included."""
-    timeouts = {"password_env": None, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "reconnect_interval_s": 0.2}
     with LocalRedis() as kv_server:  # AOF: what it held survives its restart here
         durable = aioredis.Redis.from_url(redis_server.url)
         cache = aioredis.Redis.from_url(kv_server.url)
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "l2_capacity_bytes": 1 << 24,
-                "sync_interval_ms": 50,
-                "redis": {"url": redis_server.url, **timeouts},
-                "kv_redis": {"url": kv_server.url, **timeouts},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        dp = two_server_dataplane(
+            redis_server.url, kv_server.url, 50, socket_timeout_s=0.5, connect_timeout_s=0.5, reconnect_interval_s=0.2
+        )
 
         async def down(servers):
             return (await dp.status())["degraded_servers"] == servers

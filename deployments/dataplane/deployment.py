@@ -1011,15 +1011,17 @@ class DataPlane:
         self._sessions.pop(key, None)
         self._dirty_sessions.discard(key)
         members = set(self._pending_session_blocks.pop(key, set()))
+        listed = False
         try:
             existed = await self._redis(SESSIONS, self._store.delete_session, tenant, session_id) or existed
-            stored = await self._redis(SESSIONS, self._store.session_block_members, tenant, session_id)
+            members.update(await self._redis(SESSIONS, self._store.session_block_members, tenant, session_id))
+            listed = True
         except RedisUnavailable:
-            self._deleted_sessions.add(key)  # its block list too, once the server is back
-        else:
-            members.update(stored)
-            # The blocks before their list: the list is what finds them later.
-            await self._erase_member_blocks(tenant, members)
+            self._deleted_sessions.add(key)  # the rest, its block list too, once the server is back
+        # The blocks known now (those not yet listed in Redis included) before their list:
+        # the list is what finds them later.
+        await self._erase_member_blocks(tenant, members)
+        if listed:
             try:
                 await self._redis(SESSIONS, self._store.forget_session_blocks, tenant, session_id)
             except RedisUnavailable:

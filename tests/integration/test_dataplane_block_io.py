@@ -391,8 +391,8 @@ async def test_each_redis_server_degrades_alone(redis_server):
             return (await dp.status())["degraded_servers"] == servers
 
         try:
-            sid, gone = "sess_" + "d" * 32, "sess_" + "e" * 32
-            for s in (sid, gone):
+            sid, gone, later = "sess_" + "d" * 32, "sess_" + "e" * 32, "sess_" + "f" * 32
+            for s in (sid, gone, later):
                 await dp.create_session("deg", session_id=s, ttl_s=600)
             old = [f"old{i}" for i in range(3)]
             assert await dp.put_blocks_packed("deg", old, *pack_blocks([block(1000, i) for i in range(3)]), session_id=gone) == 3
@@ -432,12 +432,20 @@ async def test_each_redis_server_degrades_alone(redis_server):
             assert await down(["sessions"])
             await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in more]))  # still written behind
             assert (await dp.status())["unsynced_sessions"] == 1
+            # A session deleted now: its blocks (listed only in memory so far) leave the
+            # KV server at once; the session itself once its server is back.
+            pend = ["pend0", "pend1"]
+            assert await dp.put_blocks_packed("deg", pend, *pack_blocks([block(500, 40), block(500, 41)]), session_id=later) == 2
+            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in pend]))
+            assert await dp.delete_session("deg", later) is True
+            assert not await cache.exists(*[keys.block_key("deg", h) for h in pend])
 
             redis_server.start()
             await _until(lambda: down([]))
             await durable.aclose()
             durable = aioredis.Redis.from_url(redis_server.url)
             assert int(await durable.hget(keys.session_key("deg", sid), "version")) == 2
+            assert not await durable.exists(keys.session_key("deg", later), keys.session_blocks_key("deg", later))
         finally:
             if not redis_server.running:
                 redis_server.start()

@@ -52,7 +52,12 @@ def app_args(model_path: Path, args) -> dict:
             "name": "vllm",
             "max_num_seqs": args.max_num_seqs,
             "vllm": {"enforce_eager": True, "cpu_kv_cache_space_gib": args.kv_gib},
-        },
+        }
+        | (
+            {"stream_max_messages_per_s": args.stream_max_messages_per_s}
+            if getattr(args, "stream_max_messages_per_s", None) is not None
+            else {}
+        ),
         # Ray sets OMP_NUM_THREADS to an actor's num_cpus (the EngineCore inherits it):
         # all cores, as plain vLLM's torch uses by default.
         "compute": {"num_replicas": 1, "num_cpus": os.cpu_count() or 1},
@@ -301,6 +306,10 @@ def main(argv=None) -> int:
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-gib", type=float, default=1.0, help="CPU KV cache space of each engine")
+    p.add_argument(
+        "--stream-max-messages-per-s", type=float, default=None,
+        help="our engine.stream_max_messages_per_s (default: the config's)",
+    )
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)

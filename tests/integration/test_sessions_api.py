@@ -211,8 +211,8 @@ def test_unknown_and_malformed_session_ids(served_app):
 
 def test_a_session_turn_checks_its_body_before_its_session(served_app):
     """The ingress starts reading the header's session before the body arrives; the
-    answer is still the body's error first, then the session's, and a turn that failed
-    changes nothing."""
+    answer is still the body's error first, then the session's; the header's session is
+    the one the turn goes to."""
     url = served_app.base_url + "/v1/chat/completions"
     good = {"model": served_app.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     unknown = {"X-Session-Id": "sess_" + "0" * 32}

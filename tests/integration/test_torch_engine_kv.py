@@ -278,7 +278,7 @@ async def test_a_prefix_costs_only_its_marginal_prefill_time(engine, store, monk
     """A forward pass with a large fixed cost, as a small model's is on a GPU: a prefix of
     48 tokens adds almost nothing to a prefill, so even an import far cheaper than that
     fixed cost is not worth it. (A tokens-per-second average charged every token its share
-    of the fixed cost, ~0.27 s for these 48, and kept importing: measured on an H200.)"""
+    of the fixed cost, ~0.4 s for these 48, and kept importing, as measured on an H200.)"""
     import time as _time
 
     ids = encode(engine, PROMPTS[0])

@@ -67,15 +67,16 @@ def _caches(device, dtype, physical, num_layers=3, num_blocks=9, heads=2, block=
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("src_order,dst_order", [("BHNC", "BNHC"), ("BNHC", "BHNC"), ("BNHC", "BNHC")])
-def test_blocks_move_between_caches_of_any_physical_order(device, dtype, src_order, dst_order):
+@pytest.mark.parametrize("staging_bytes", [64 << 20, 1, 2 * 3 * 2 * 4 * 6 * 4])  # all at once, one by one, two
+def test_blocks_move_between_caches_of_any_physical_order(device, dtype, src_order, dst_order, staging_bytes):
     src = _caches(device, dtype, src_order)
     dst = _caches(device, dtype, dst_order, fill=False)
-    stacked = gather_blocks(src, [3, 7, 0])
+    stacked = gather_blocks(src, [3, 7, 0], staging_bytes=staging_bytes)
     assert stacked.device.type == "cpu" and stacked.is_contiguous()
     assert stacked.shape == (3, 3, 2, 4, 6)
     payloads = [block_bytes(stacked, i) for i in range(3)]
     assert all(len(p) == 3 * 2 * 4 * 6 * stacked.element_size() for p in payloads)
-    scatter_blocks(dst, [1, 4, 8], payloads)
+    scatter_blocks(dst, [1, 4, 8], payloads, staging_bytes=staging_bytes)
     for layer in range(3):
         torch.testing.assert_close(dst[layer][1], src[layer][3], rtol=0, atol=0)
         torch.testing.assert_close(dst[layer][4], src[layer][7], rtol=0, atol=0)

@@ -55,13 +55,32 @@ def rank_suffix(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
     return f"@tp{tp_rank}of{tp_size}.pp{pp_rank}of{pp_size}"
 
 
-def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+# Most device memory one save or load stages at once: a transfer of more blocks goes in
+# chunks (a block of a large model is megabytes: 80 layers x 64 KiB, and a long prompt
+# saves hundreds of them; staged whole they would take gigabytes next to the KV cache).
+STAGING_BYTES = 64 << 20
+
+
+def _chunks(caches: Sequence[torch.Tensor], n: int, staging_bytes: int) -> range:
+    per_block = len(caches) * caches[0][0].numel() * caches[0].element_size()
+    step = max(1, staging_bytes // max(1, per_block))
+    return range(0, n, step)
+
+
+def gather_blocks(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], staging_bytes: int = STAGING_BYTES
+) -> torch.Tensor:
     """Blocks ``block_ids`` of every layer's cache as one contiguous host tensor
-    ``[len(block_ids), layers, heads, B, content]`` (one copy off the device)."""
-    device = caches[0].device
-    ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    stacked = torch.stack([c.index_select(0, ids) for c in caches], dim=1)
-    return stacked.to("cpu").contiguous()
+    ``[len(block_ids), layers, heads, B, content]``, copied off the device in chunks of at
+    most ``staging_bytes``."""
+    first = caches[0]
+    ids = list(block_ids)
+    out = torch.empty((len(ids), len(caches), *first.shape[1:]), dtype=first.dtype)
+    chunks = _chunks(caches, len(ids), staging_bytes)
+    for start in chunks:
+        part = torch.tensor(ids[start : start + chunks.step], dtype=torch.long, device=first.device)
+        out[start : start + len(part)].copy_(torch.stack([c.index_select(0, part) for c in caches], dim=1))
+    return out
 
 
 def block_bytes(blocks: torch.Tensor, i: int) -> bytes:
@@ -69,10 +88,15 @@ def block_bytes(blocks: torch.Tensor, i: int) -> bytes:
     return blocks[i].view(torch.uint8).numpy().tobytes()
 
 
-def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+def scatter_blocks(
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    payloads: Sequence[bytes],
+    staging_bytes: int = STAGING_BYTES,
+) -> None:
     """Write stored blocks (payloads of ``gather_blocks``' layout, this engine's dtype) into
-    blocks ``block_ids`` of every layer's cache: one copy to the device, then one indexed
-    write per layer."""
+    blocks ``block_ids`` of every layer's cache: in chunks of at most ``staging_bytes``,
+    one copy to the device and one indexed write per layer each."""
     if not payloads:
         return
     first = caches[0]
@@ -84,7 +108,10 @@ def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int], pay
         warnings.filterwarnings("ignore", message=".*not writable.*")
         for i, payload in enumerate(payloads):
             flat[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
-    blocks = host.to(first.device)
-    ids = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
-    for layer, cache in enumerate(caches):
-        cache.index_copy_(0, ids, blocks[:, layer])
+    ids = list(block_ids)
+    chunks = _chunks(caches, len(payloads), staging_bytes)
+    for start in chunks:
+        blocks = host[start : start + chunks.step].to(first.device)
+        part = torch.tensor(ids[start : start + len(blocks)], dtype=torch.long, device=first.device)
+        for layer, cache in enumerate(caches):
+            cache.index_copy_(0, part, blocks[:, layer])

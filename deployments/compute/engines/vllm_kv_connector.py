@@ -37,7 +37,8 @@ Block layout
 See ``vllm_kv_blocks.py``: every backend hands the connector per-layer views of logical
 shape ``[num_blocks, heads, B, content]``; a stored block is one block's interior in every
 layer of the worker, stacked in layer order, in logical order, moved through host memory
-(on a GPU: one copy off the device per save, one onto it per load). Its header's layout
+(on a GPU: copies off the device per save and onto it per load, in chunks of at most
+``vllm_kv_blocks.STAGING_BYTES`` of device memory). Its header's layout
 names the device kind and the cache dtype setting, because the same shape means other
 things on other backends (the CPU backend's, ``"vllm-cpu:layers,heads,kv,tokens,head_dim"``:
 ``[layers, heads, 2 (k, v), B, head_dim]``). With tensor or pipeline parallelism each

@@ -17,11 +17,10 @@ from typing import Optional
 from deployments.compute.engines.kv import (
     TIER_L2,
     TIER_L3,
-    TIER_NONE,
     CheckedBlocks,
-    Ewma,
     KVConnector,
     PrefixHit,
+    Rate,
 )
 from deployments.dataplane.blocks import block_arrays
 
@@ -71,11 +70,10 @@ class DataPlaneKVConnector(KVConnector):
         self.block_size = block_size
         self._timeout_s = timeout_s
         self._session_id = session_id
-        # Per tier, moving averages of bytes and seconds per fetch; their ratio is the
-        # bandwidth. A ratio of averages weighs big fetches as they deserve: the average of
-        # per-fetch ratios let small fetches (mostly fixed per-call cost) drag the figure
-        # down, and then whole long prefixes were recomputed instead of fetched.
-        self._bandwidth = {tier: (Ewma(ewma_alpha), Ewma(ewma_alpha)) for tier in (TIER_L2, TIER_L3)}
+        # Per tier, the measured bandwidth (bytes per second of fetches). An average of
+        # per-fetch ratios let small fetches drag it down, and then whole long prefixes
+        # were recomputed instead of fetched: hence Rate's ratio of averages.
+        self._bandwidth = {tier: Rate(ewma_alpha) for tier in (TIER_L2, TIER_L3)}
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._stash: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._pending: set[asyncio.Task] = set()
@@ -193,16 +191,9 @@ class DataPlaneKVConnector(KVConnector):
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
-        if tier in self._bandwidth and num_bytes > 0 and seconds > 0:
-            avg_bytes, avg_seconds = self._bandwidth[tier]
-            avg_bytes.update(num_bytes)
-            avg_seconds.update(seconds)
+        if tier in self._bandwidth:
+            self._bandwidth[tier].update(num_bytes, seconds)
 
     def bandwidth_bytes_per_s(self, tier: str) -> Optional[float]:
-        averages = self._bandwidth.get(tier)
-        if averages is None or tier == TIER_NONE:
-            return None
-        avg_bytes, avg_seconds = averages
-        if not avg_bytes.value or not avg_seconds.value:
-            return None
-        return avg_bytes.value / avg_seconds.value
+        rate = self._bandwidth.get(tier)
+        return None if rate is None else rate.value

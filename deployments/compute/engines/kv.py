@@ -188,3 +188,25 @@ class Ewma:
     def update(self, sample: float) -> float:
         self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
         return self.value
+
+
+class Rate:
+    """A measured rate (amount per second) as the ratio of moving averages of the amounts
+    and of the seconds they took. A ratio of averages weighs big transfers as they
+    deserve: an average of per-transfer ratios lets small ones (mostly fixed per-call
+    cost) drag the figure down."""
+
+    def __init__(self, alpha: float = 0.3):
+        self._amount = Ewma(alpha)
+        self._seconds = Ewma(alpha)
+
+    def update(self, amount: float, seconds: float) -> None:
+        if amount > 0 and seconds > 0:
+            self._amount.update(amount)
+            self._seconds.update(seconds)
+
+    @property
+    def value(self) -> Optional[float]:
+        """Amount per second, None until measured."""
+        amount, seconds = self._amount.value, self._seconds.value
+        return amount / seconds if amount and seconds else None

@@ -40,10 +40,10 @@ from deployments.compute.engines.detokenizer import IncrementalDetokenizer
 from deployments.compute.engines.kv import (
     TIER_L1,
     CheckedBlocks,
-    Ewma,
     KVConnector,
     PrefillTimeModel,
     PrefixHit,
+    Rate,
     block_hashes,
     should_fetch,
 )
@@ -233,7 +233,7 @@ class TorchEngine(Engine):
             self._l1 = PrefixCache(prefix_cache_bytes, block_size)
         # Per tier: stored prefixes recomputed since the last fetch (see _worth_importing),
         # and the measured import rate (bytes, seconds) of each tier.
-        self._import_rate: dict[str, tuple[Ewma, Ewma]] = {}
+        self._import_rate: dict[str, Rate] = {}
         # Benchmarks: import every stored prefix, measured or not (loadtests/engine_kv.py).
         self.always_fetch = always_fetch
         self._skips_since_fetch: dict[str, int] = {}
@@ -486,18 +486,13 @@ class TorchEngine(Engine):
         return True
 
     def _record_import(self, tier: str, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
-            avg_bytes, avg_seconds = self._import_rate.setdefault(tier, (Ewma(), Ewma()))
-            avg_bytes.update(num_bytes)
-            avg_seconds.update(seconds)
+        self._import_rate.setdefault(tier, Rate()).update(num_bytes, seconds)
 
     def import_bytes_per_s(self, tier: str) -> Optional[float]:
         """Measured speed of importing a prefix from ``tier`` (load + decode + copy to the
         device, bytes of stored blocks per second), None until one was imported."""
-        avg_bytes, avg_seconds = self._import_rate.get(tier, (None, None))
-        if avg_bytes is None or not avg_bytes.value or not avg_seconds.value:
-            return None
-        return avg_bytes.value / avg_seconds.value
+        rate = self._import_rate.get(tier)
+        return None if rate is None else rate.value
 
     def _decode_prefix(self, blocks: list[bytes], hashes: Optional[list[str]] = None) -> torch.Tensor:
         prefix = decode_kv_blocks(

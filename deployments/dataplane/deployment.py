@@ -376,11 +376,7 @@ class DataPlane:
 
     async def _resync_sessions(self) -> None:
         for key in list(self._deleted_sessions):
-            tenant, sid = key
-            await self._store.delete_session(tenant, sid)
-            members = await self._store.session_block_members(tenant, sid)
-            await self._erase_member_blocks(tenant, members)
-            await self._store.forget_session_blocks(tenant, sid)
+            await self._delete_stored_session(*key, set())
             self._deleted_sessions.discard(key)
         for key in list(self._dirty_sessions):
             rec = self._sessions.get(key)
@@ -392,6 +388,17 @@ class DataPlane:
                 key[0], key[1], sorted(members), self._cfg.sessions.cache_ttl_s
             )
             self._pending_session_blocks.pop(key, None)
+
+    async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str]) -> bool:
+        """Delete a session from the sessions server: its record, then its blocks (those
+        listed there, added to ``members``, and those already in it) from the KV server,
+        then the list (the blocks before their list: the list is what finds them). True
+        if the record existed. Raises RedisUnavailable when the sessions server fails."""
+        existed = await self._store.delete_session(tenant, session_id)
+        members.update(await self._store.session_block_members(tenant, session_id))
+        await self._erase_member_blocks(tenant, members)
+        await self._store.forget_session_blocks(tenant, session_id)
+        return existed
 
     async def _erase_member_blocks(self, tenant: str, members: Iterable[str]) -> None:
         """Delete the blocks of session block-list ``members`` from the KV server, or,
@@ -1011,21 +1018,12 @@ class DataPlane:
         self._sessions.pop(key, None)
         self._dirty_sessions.discard(key)
         members = set(self._pending_session_blocks.pop(key, set()))
-        listed = False
         try:
-            existed = await self._redis(SESSIONS, self._store.delete_session, tenant, session_id) or existed
-            members.update(await self._redis(SESSIONS, self._store.session_block_members, tenant, session_id))
-            listed = True
+            existed = await self._redis(SESSIONS, self._delete_stored_session, tenant, session_id, members) or existed
         except RedisUnavailable:
-            self._deleted_sessions.add(key)  # the rest, its block list too, once the server is back
-        # The blocks known now (those not yet listed in Redis included) before their list:
-        # the list is what finds them later.
-        await self._erase_member_blocks(tenant, members)
-        if listed:
-            try:
-                await self._redis(SESSIONS, self._store.forget_session_blocks, tenant, session_id)
-            except RedisUnavailable:
-                self._deleted_sessions.add(key)
+            self._deleted_sessions.add(key)  # the rest once the server is back
+            # The blocks known now (those not yet listed in Redis included) go at once.
+            await self._erase_member_blocks(tenant, members)
         await self._drop_blocks_everywhere(tenant, members)
         return existed
 

@@ -392,15 +392,6 @@ class RedisStore:
         return sorted(m.decode() if isinstance(m, bytes) else m for m in members)
 
     @_unavailable
-    async def delete_session_blocks(self, tenant: str, session_id: str) -> list[str]:
-        """Delete every block recorded for the session, and the record of them. Returns
-        the members ("<shard_key>|<hash>") so the caller can drop L2 copies too."""
-        members = await self.session_block_members(tenant, session_id)
-        await self.delete_member_blocks(tenant, members)
-        await self.forget_session_blocks(tenant, session_id)
-        return members
-
-    @_unavailable
     async def delete_member_blocks(self, tenant: str, members: Sequence[str]) -> None:
         """Delete the blocks of session block-list members (the KV server only)."""
         hashes = [keys.split_session_block_member(m)[1] for m in members]

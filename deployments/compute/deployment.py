@@ -20,6 +20,7 @@ from ray.util import metrics
 from app import telemetry
 from app.config import AppConfig
 from deployments.compute.engines import create_engine
+from deployments.compute.engines.kv import Ewma
 from deployments.compute.engines.protocol import (
     Engine,
     EngineCapabilities,
@@ -64,7 +65,7 @@ class ComputeWorker:
         self._num_in_flight = 0
         # Tokens per second of one stream (moving average over streams): how soon a stream
         # reaches max_tokens, before it has shown its own rate (see generate's pacing).
-        self._stream_tokens_per_s: Optional[float] = None
+        self._stream_tokens_per_s = Ewma(0.2)
         # generate() calls this replica took (placement tests read it from routing stats).
         self._num_requests = 0
         started = time.monotonic()
@@ -205,12 +206,12 @@ class ComputeWorker:
                         interval_s = max(base_interval_s, self._num_in_flight / rate if rate else 0.0)
                         if interval_s:
                             now = time.monotonic()
-                            tokens_per_s = self._stream_tokens_per_s  # other streams', until ours shows
+                            tokens_per_s = self._stream_tokens_per_s.value  # other streams', until ours shows
                             if first_at is None:
                                 first_at, first_tokens = now, num_tokens
                             elif num_tokens > first_tokens and now > first_at:
                                 tokens_per_s = (num_tokens - first_tokens) / (now - first_at)
-                                self._stream_tokens_per_s = 0.8 * (self._stream_tokens_per_s or tokens_per_s) + 0.2 * tokens_per_s
+                                self._stream_tokens_per_s.update(tokens_per_s)
                             if tokens_per_s:
                                 interval_s = min(interval_s, _until_length_end(max_tokens - num_tokens, tokens_per_s))
                             await asyncio.sleep(interval_s)

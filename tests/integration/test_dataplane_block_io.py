@@ -205,13 +205,17 @@ async def test_store_survives_a_restart_and_reports_an_outage():
             await store.close()
 
 
-def dataplane(url: str) -> DataPlane:
+def dataplane(url: str, sync_interval_ms: int = 60_000, kv_url: str | None = None, **redis_options) -> DataPlane:
+    """A DataPlane (no Serve) with sessions on the Redis at ``url`` and blocks there too,
+    or on ``kv_url``; by default it writes behind only when the test flushes."""
+    server = {"password_env": None, **redis_options}
     config = AppConfig.model_validate({
         "dataplane": {
             "num_replicas": 1,
             "l2_capacity_bytes": 1 << 24,
-            "sync_interval_ms": 60_000,  # write-behind only when the test flushes
-            "redis": {"url": url, "password_env": None},
+            "sync_interval_ms": sync_interval_ms,
+            "redis": {"url": url, **server},
+            **({"kv_redis": {"url": kv_url, **server}} if kv_url else {}),
         }
     })
     # In this process's memory even when an earlier test left Ray running here.
@@ -287,21 +291,6 @@ async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
         await dp.shutdown()
 
 
-def two_server_dataplane(sessions_url: str, kv_url: str, sync_interval_ms: int, **redis_options) -> DataPlane:
-    """A DataPlane (no Serve) with sessions on ``sessions_url`` and blocks on ``kv_url``."""
-    server = {"password_env": None, **redis_options}
-    config = AppConfig.model_validate({
-        "dataplane": {
-            "num_replicas": 1,
-            "l2_capacity_bytes": 1 << 24,
-            "sync_interval_ms": sync_interval_ms,
-            "redis": {"url": sessions_url, **server},
-            "kv_redis": {"url": kv_url, **server},
-        }
-    })
-    return DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
-
-
 async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_one(redis_server):
     # dataplane.kv_redis: block payloads and index entries live on a cache server (no
     # persistence, maxmemory, allkeys-lru); sessions and each session's list of its
@@ -309,7 +298,7 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
     with LocalRedis(cache_max_memory="64mb") as kv_server:
         durable = aioredis.Redis.from_url(redis_server.url)
         cache = aioredis.Redis.from_url(kv_server.url)
-        dp = two_server_dataplane(redis_server.url, kv_server.url, 60_000)
+        dp = dataplane(redis_server.url, kv_url=kv_server.url)
         try:
             # The server is what the embedded default starts for KV blocks.
             assert (await cache.config_get("appendonly"))["appendonly"] == "no"
@@ -383,8 +372,8 @@ async def test_each_redis_server_degrades_alone(redis_server):
     with LocalRedis() as kv_server:  # AOF: what it held survives its restart here
         durable = aioredis.Redis.from_url(redis_server.url)
         cache = aioredis.Redis.from_url(kv_server.url)
-        dp = two_server_dataplane(
-            redis_server.url, kv_server.url, 50, socket_timeout_s=0.5, connect_timeout_s=0.5, reconnect_interval_s=0.2
+        dp = dataplane(
+            redis_server.url, 50, kv_url=kv_server.url, socket_timeout_s=0.5, connect_timeout_s=0.5, reconnect_interval_s=0.2
         )
 
         async def down(servers):
@@ -460,17 +449,7 @@ async def test_what_changes_while_it_is_written_back_is_written_too():
     during that write must be written by a later pass, not marked done with it (a lost
     turn, seen once in CI under traffic)."""
     with LocalRedis() as server:
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "sync_interval_ms": 50,
-                "redis": {
-                    "url": server.url, "password_env": None, "socket_timeout_s": 0.5,
-                    "connect_timeout_s": 0.5, "reconnect_interval_s": 0.1,
-                },
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        dp = dataplane(server.url, 50, socket_timeout_s=0.5, connect_timeout_s=0.5, reconnect_interval_s=0.1)
         durable = aioredis.Redis.from_url(server.url)
         releases: list[asyncio.Event] = []
         try:

@@ -6,11 +6,12 @@ instead of asking; and the worker's connector falls back to its own call when th
 router's failed. Test doubles for the handles; no Ray cluster."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from deployments.compute.engines.kv import PrefixHit
-from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+from deployments.compute.engines.protocol import EngineCapabilities, GenerationRequest, SamplingParams, TokenDelta
 from deployments.router import placement
 from deployments.router.deployment import Router
 
@@ -57,8 +58,27 @@ class _DataPlane:
 
 
 class _Worker:
+    """The worker's handle: capabilities (batching wanted, as the torch engine's) and a
+    one-delta stream; records the KV lookup each request it got carried."""
+
+    def __init__(self):
+        self.sent = []
+        self.capabilities = SimpleNamespace(remote=self._capabilities)
+        self.generate = SimpleNamespace(remote=self._generate)
+
     def options(self, **_):
         return self
+
+    async def _capabilities(self):
+        return EngineCapabilities(wants_router_batching=True)
+
+    def _generate(self, request, batch_key=None):
+        self.sent.append((request.kv_lookup, request.kv_lookup_key))
+
+        async def deltas():
+            yield TokenDelta(text="x", token_ids=[7], finish_reason="length")
+
+        return deltas()
 
 
 def _router(policy: str, dataplane: _DataPlane) -> Router:
@@ -200,36 +220,10 @@ class _HeldLookups(_Lookups):
 async def test_the_lookup_is_assigned_while_the_request_queues(one_worker):
     """The router-started lookup's assignment (~3 ms) runs while the request waits for its
     batch, not before it joins the queue; the worker call still carries its reference."""
-    from deployments.compute.engines.protocol import EngineCapabilities, TokenDelta
-
     dp = _DataPlane()
     dp.lookup_prefix = _HeldLookups()
-    sent = []
-
-    class _Worker:
-        def options(self, **_):
-            return self
-
-        class capabilities:  # noqa: N801 - a handle method
-            @staticmethod
-            def remote():
-                async def caps():
-                    return EngineCapabilities(wants_router_batching=True)
-
-                return caps()
-
-        class generate:  # noqa: N801
-            @staticmethod
-            def remote(request, batch_key=None):
-                sent.append((request.kv_lookup, request.kv_lookup_key))
-
-                async def deltas():
-                    yield TokenDelta(text="x", token_ids=[7], finish_reason="length")
-
-                return deltas()
-
-    config = {"dataplane": {"prefetch": "when_queued", "block_size": 16}, "engine": {"name": "torch"}}
-    router = Router(_Worker(), config, dp)
+    router = _router("when_queued", dp)
+    worker = router._worker  # the _Worker (options() returns itself)
     consumer = asyncio.ensure_future(_drain(router.generate(_session_request())))
     # The request goes through the queue (dispatched at once: the worker is idle) although
     # its lookup is not assigned yet; the worker call waits for the reference.
@@ -237,10 +231,10 @@ async def test_the_lookup_is_assigned_while_the_request_queues(one_worker):
         if router._num_inflight == 1:
             break
         await asyncio.sleep(0.005)
-    assert router._num_inflight == 1 and len(dp.lookup_prefix.calls) == 1 and sent == []
+    assert router._num_inflight == 1 and len(dp.lookup_prefix.calls) == 1 and worker.sent == []
     dp.lookup_prefix.release.set()
     assert await asyncio.wait_for(consumer, 5) == 1
-    (ref, key), = sent
+    (ref, key), = worker.sent
     assert ref == "lookup-ref" and key == dp.lookup_prefix.calls[0][0][1][-1]
 
 

@@ -479,6 +479,17 @@ class ServeRuntimeConfig(_Strict):
         "replica's resident memory stays at its high-water mark. "
         "Variables set in the application's own runtime_env win.",
     )
+    prefault_object_store_bytes: int = Field(
+        default=2 << 30,
+        ge=0,
+        le=1 << 42,
+        description="Bytes of the node's object store whose pages each replica that moves "
+        "KV blocks through it (the data plane, torch workers with KV reuse) maps at start "
+        "(app/object_store.py): its puts and reads of blocks then skip a page fault per "
+        "4 KiB. Takes ~0.5 s per GiB at start and allocates that much of the store's "
+        "shared memory up front; 0 turns it off. Cover the data plane's L2 on the node "
+        "(replicas x l2_capacity_bytes).",
+    )
 
 
 class AppConfig(_Strict):

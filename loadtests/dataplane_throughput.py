@@ -302,6 +302,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     p.add_argument("--no-bounds", action="store_true", help="skip the stage bounds")
     p.add_argument("--worker-blocks", default="8,32,128", help="prefix sizes for the worker-wait measure ('' skips it)")
+    p.add_argument(
+        "--prefault-object-store-bytes", type=int, default=None,
+        help="serve_runtime.prefault_object_store_bytes of the data plane and this process, "
+        "which stands in for a worker (default: the config's; 0 measures without it)",
+    )
     add_kv_redis_option(p)
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
     args = p.parse_args(argv)
@@ -312,6 +317,7 @@ def main(argv=None) -> int:
     from app.builder import THROUGHPUT_ENV, with_serve_runtime
     from app.config import AppConfig
     from app.local_redis import LocalRedis
+    from app.object_store import prefault_object_store
     from deployments.dataplane.blocks import BlockHeader, encode_block
     from deployments.dataplane.deployment import dataplane_deployment
 
@@ -327,8 +333,14 @@ def main(argv=None) -> int:
             dataplane["kv_redis"] = {"url": redis.url}
         _say(f"KV blocks on {'a cache' if args.kv_redis == 'cache' else 'the sessions AOF'} "
              f"redis-server ({redis.url})")
-        cfg = AppConfig.model_validate({"dataplane": dataplane})
+        runtime = {}
+        if args.prefault_object_store_bytes is not None:
+            runtime["prefault_object_store_bytes"] = args.prefault_object_store_bytes
+        cfg = AppConfig.model_validate({"dataplane": dataplane, "serve_runtime": runtime})
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        # This process does a worker's part (its blocks go in and come out here), so it
+        # maps the object store's pages as a worker does.
+        prefault_object_store(cfg.serve_runtime.prefault_object_store_bytes, who="the benchmark (a worker's part)")
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
         # As the app deploys it (build_app): Serve's throughput settings in the replicas.
         app = with_serve_runtime(dataplane_deployment(cfg), cfg).bind(cfg.model_dump(mode="json"))

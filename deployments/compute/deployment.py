@@ -19,6 +19,7 @@ from ray.util import metrics
 
 from app import telemetry
 from app.config import AppConfig
+from app.object_store import Prefault
 from deployments.compute.engines import create_engine
 from deployments.compute.engines.kv import Ewma
 from deployments.compute.engines.protocol import (
@@ -76,6 +77,12 @@ class ComputeWorker:
             kv_connector = DataPlaneKVConnector(dataplane, self._config.dataplane.block_size)
         self._kv_connector = kv_connector
         self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
+        self._prefault = None
+        if kv_connector is not None and self._config.engine.name == "torch":
+            # The torch engine's KV blocks go to and come from the data plane through the
+            # object store (vLLM's connector reads Redis): map its pages (in a thread, from
+            # now on), not a fault per 4 KiB of every block.
+            self._prefault = Prefault(self._config.serve_runtime.prefault_object_store_bytes, who="ComputeWorker")
         await self._engine.start()
         if self._config.engine.warmup:
             await self._warm_up()

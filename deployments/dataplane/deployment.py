@@ -43,6 +43,7 @@ from opentelemetry import trace
 from app import telemetry
 from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.object_store import Prefault
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import CorruptBlockError, check_block, pack_blocks, unpack_blocks
@@ -201,6 +202,12 @@ class DataPlane:
 
             object_store = ray.is_initialized()
         self._object_store = object_store
+        # L2 lives in the object store: map its pages now, not a fault per 4 KiB per put.
+        self._prefault = (
+            Prefault(app_config.serve_runtime.prefault_object_store_bytes, who="DataPlane")
+            if object_store
+            else None
+        )
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
         self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
         self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
@@ -1106,6 +1113,7 @@ class DataPlane:
             "l2_dirty_blocks": len(self._l2.dirty),
             "l2_evictions": self._l2.num_evictions,
             "l2_held_bytes": self._l2.held_bytes,
+            "object_store_prefaulted_bytes": self._prefault.bytes_done if self._prefault else 0,
             "sessions_in_memory": len(self._sessions),
         }
 

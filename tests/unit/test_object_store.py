@@ -1,0 +1,43 @@
+"""The parsing behind app/object_store.py: which mappings are the object store's file,
+and on which filesystem it lies (the prefault itself runs against a real Ray in
+tests/integration/test_object_store.py)."""
+
+from __future__ import annotations
+
+from app.object_store import filesystem_of, plasma_mappings
+
+MAPS = """\
+55d0c0000000-55d0c0021000 r--p 00000000 fd:01 1234                       /usr/bin/python3.11
+7f1e00000000-7f1e00100000 rw-p 00000000 00:00 0
+7f1eac000000-7f1f2c000000 rw-s 00000000 00:1a 77                         /dev/shm/plasmaefQvzk (deleted)
+7f1f30000000-7f1f30400000 rw-s 00000000 fd:01 99                         /tmp/ray/plasma fallback/plasmaAbCdEf (deleted)
+7f1f40000000-7f1f40001000 rw-s 00000000 00:1a 78                         /dev/shm/other-shared
+7f1f50000000-7f1f50001000 r--p 00000000 00:1a 79                         /dev/shm/plasmaPrivateCopy
+7f1d00000000-7f1d00200000 rw-s 00000000 00:1a 80                         /dev/shm/plasmaLowAddr
+"""
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,relatime,size=24683652k 0 0
+tmpfs /tmp/ray/hugepages\\040dir hugetlbfs rw 0 0
+proc /proc proc rw 0 0
+"""
+
+
+def test_only_shared_plasma_file_mappings_in_address_order():
+    found = plasma_mappings(MAPS)
+    assert [(hex(m.start), m.path) for m in found] == [
+        ("0x7f1d00000000", "/dev/shm/plasmaLowAddr"),
+        ("0x7f1eac000000", "/dev/shm/plasmaefQvzk"),
+        ("0x7f1f30000000", "/tmp/ray/plasma fallback/plasmaAbCdEf"),
+    ]
+    assert found[1].end - found[1].start == 2 << 30
+
+
+def test_filesystem_is_that_of_the_longest_mount_point_holding_the_path():
+    assert filesystem_of("/dev/shm/plasmaefQvzk", MOUNTS) == "tmpfs"
+    assert filesystem_of("/tmp/ray/plasmaAbCdEf", MOUNTS) == "ext4"
+    assert filesystem_of("/tmp/ray/hugepages dir/plasmaX", MOUNTS) == "hugetlbfs"
+    # A mount point is a whole path component, not a string prefix.
+    assert filesystem_of("/dev/shmother/plasmaX", MOUNTS) == "ext4"
+    assert filesystem_of("relative/plasmaX", MOUNTS) is None

@@ -3,7 +3,8 @@ same machine; the bounds that limit it; and how long a worker waits for a prefix
 
     python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 512]
         [--batch 64] [--concurrency 4] [--rounds 3] [--warmup 1] [--no-bounds]
-        [--worker-blocks 8,32,128] [--kv-redis cache|shared] [--out FILE]
+        [--worker-blocks 8,32,128] [--kv-redis cache|shared]
+        [--prefault-object-store-bytes N] [--out FILE]
 
 Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
 through its Serve handle, as a compute worker drives it (blocks travel through Ray's
@@ -30,6 +31,10 @@ array passed to an actor), a Serve handle moving one array to and from a do-noth
 deployment, Redis alone through the data plane's raw client and through redis-py, and
 the data plane's put into L2 with write-behind off (what the put costs without the
 Redis writes that, on 2 cores, compete with it).
+
+The data plane's replicas and this process (which does a worker's part) map the object
+store's pages first, as the app's replicas do (``serve_runtime.prefault_object_store_bytes``;
+``--prefault-object-store-bytes 0`` measures without it).
 
 Worker wait: a ``DataPlaneKVConnector`` (the worker's client) saves prefixes of N blocks
 of the ``small`` model's KV shape and loads them back, from L2 and from L3; the time of

@@ -14,8 +14,8 @@ reads of those blocks pay the faults on every new block.
 in a thread of its own (:class:`Prefault`) while the replica serves.
 It never changes what the pages hold. It does allocate the store's pages that no process
 had touched yet, i.e. the node's ``object_store_memory`` (which Ray reserves for the
-store) is taken up front, up to ``max_bytes``, as Ray's own ``preallocate_plasma_memory``
-takes all of it. Only for a store on tmpfs or hugetlbfs: a store Ray put on disk (when
+store) is taken up front, up to ``max_bytes`` and at most a quarter of the memory
+available at the time, as Ray's own ``preallocate_plasma_memory`` takes all of it. Only for a store on tmpfs or hugetlbfs: a store Ray put on disk (when
 ``/dev/shm`` is too small) is left alone.
 """
 
@@ -36,7 +36,8 @@ logger = logging.getLogger("ray.serve")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, 5.14+
 _CHUNK = 256 << 20
-_ALIGN = 2 << 20
+_ALIGN = 2 << 20  # madvise wants whole (huge) pages
+AVAILABLE_SHARE = 4  # never more than 1/4 of MemAvailable
 _MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 # Bigger than Ray inlines into the owner's memory (100 KiB): this one lands in the store.
 _MAP_PROBE_BYTES = 256 << 10
@@ -78,6 +79,25 @@ def filesystem_of(path: str, mounts_text: str) -> Optional[str]:
         if inside and len(point) > best:
             best, fs = len(point), parts[2]
     return fs
+
+
+def memory_available(meminfo_text: str) -> Optional[int]:
+    """``MemAvailable`` of ``/proc/meminfo`` text, in bytes (None if absent)."""
+    for line in meminfo_text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def prefault_budget(max_bytes: int, mapping_bytes: int, available: Optional[int]) -> int:
+    """How much to prefault: ``max_bytes``, at most the mapping, and at most a quarter of
+    the memory the machine has available (pages not yet allocated get allocated, so a
+    small machine must not hand a large share of what is left to the store at start);
+    whole 2 MiB units."""
+    budget = min(max_bytes, mapping_bytes)
+    if available is not None:
+        budget = min(budget, available // AVAILABLE_SHARE)
+    return max(0, budget) // _ALIGN * _ALIGN
 
 
 def _read(path: str) -> str:
@@ -160,8 +180,13 @@ def prefault_object_store(
             return 0
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        # Whole 2 MiB units: madvise wants whole (huge) pages.
-        end = store.start + (min(store.end - store.start, max_bytes) // _ALIGN) * _ALIGN
+        budget = prefault_budget(max_bytes, store.end - store.start, memory_available(_read("/proc/meminfo")))
+        if budget < max_bytes:
+            logger.info(
+                "object store: prefaulting %d MiB, not %d: the mapping's size or a quarter of the available memory",
+                budget >> 20, max_bytes >> 20,
+            )
+        end = store.start + budget
         done = 0
         for addr in range(store.start, end, _CHUNK):
             length = min(_CHUNK, end - addr)

@@ -4,7 +4,7 @@ tests/integration/test_object_store.py)."""
 
 from __future__ import annotations
 
-from app.object_store import filesystem_of, plasma_mappings
+from app.object_store import filesystem_of, memory_available, plasma_mappings, prefault_budget
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r--p 00000000 fd:01 1234                       /usr/bin/python3.11
@@ -41,3 +41,22 @@ def test_filesystem_is_that_of_the_longest_mount_point_holding_the_path():
     # A mount point is a whole path component, not a string prefix.
     assert filesystem_of("/dev/shmother/plasmaX", MOUNTS) == "ext4"
     assert filesystem_of("relative/plasmaX", MOUNTS) is None
+
+
+GiB = 1 << 30
+
+
+def test_memory_available_is_meminfos_memavailable_in_bytes():
+    text = "MemTotal:       24683652 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+    assert memory_available(text) == 20000000 * 1024
+    assert memory_available("MemTotal: 1 kB\n") is None
+
+
+def test_budget_is_the_least_of_asked_mapping_and_a_quarter_of_available_in_2mib_units():
+    assert prefault_budget(2 * GiB, 7 * GiB, 20 * GiB) == 2 * GiB
+    assert prefault_budget(2 * GiB, 200_000_000, 20 * GiB) == 200_000_000 // (2 << 20) * (2 << 20)
+    # An 8 GiB laptop with 4 GiB left: at most 1 GiB goes to the store at start.
+    assert prefault_budget(2 * GiB, 2 * GiB, 4 * GiB) == 1 * GiB
+    assert prefault_budget(2 * GiB, 7 * GiB, None) == 2 * GiB
+    assert prefault_budget(0, 7 * GiB, 20 * GiB) == 0
+    assert prefault_budget(2 * GiB, 7 * GiB, 3 << 20) == 0  # under one unit

@@ -15,8 +15,9 @@ in a thread of its own (:class:`Prefault`) while the replica serves.
 It never changes what the pages hold. It does allocate the store's pages that no process
 had touched yet, i.e. the node's ``object_store_memory`` (which Ray reserves for the
 store) is taken up front, up to ``max_bytes`` and at most a quarter of the memory
-available at the time, as Ray's own ``preallocate_plasma_memory`` takes all of it. Only for a store on tmpfs or hugetlbfs: a store Ray put on disk (when
-``/dev/shm`` is too small) is left alone.
+available at the time, as Ray's own ``preallocate_plasma_memory`` takes all of it. Only
+for a store on tmpfs or hugetlbfs: a store Ray put on disk (when ``/dev/shm`` is too
+small) is left alone, and so are the files it falls back to when the store is full.
 """
 
 from __future__ import annotations
@@ -173,11 +174,14 @@ def prefault_object_store(
         if not mappings:
             logger.info("object store: no mapping of it found in this process; not prefaulted")
             return 0
-        store = mappings[0]  # the primary arena (fallback files come later, on disk)
-        fs = filesystem_of(store.path, _read("/proc/self/mounts"))
-        if fs not in _MEMORY_FILESYSTEMS:
-            logger.info("object store file %s is on %s, not in memory: not prefaulted", store.path, fs)
+        mounts = _read("/proc/self/mounts")
+        in_memory = [m for m in mappings if filesystem_of(m.path, mounts) in _MEMORY_FILESYSTEMS]
+        if not in_memory:
+            logger.info("object store file %s is not in memory (%s): not prefaulted",
+                        mappings[0].path, filesystem_of(mappings[0].path, mounts))
             return 0
+        # The primary arena: the largest (fallback files, made when it is full, are on disk).
+        store = max(in_memory, key=lambda m: m.end - m.start)
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         budget = prefault_budget(max_bytes, store.end - store.start, memory_available(_read("/proc/meminfo")))

@@ -39,7 +39,7 @@ def store_in_memory() -> bool:
 
     _map_store()
     with open("/proc/self/maps") as f:
-        store = plasma_mappings(f.read())[0]
+        store = max(plasma_mappings(f.read()), key=lambda m: m.end - m.start)
     with open("/proc/self/mounts") as f:
         return filesystem_of(store.path, f.read()) in ("tmpfs", "hugetlbfs")
 
@@ -58,17 +58,19 @@ def test_a_fresh_process_maps_the_pages_and_objects_keep_their_bytes(ray_cluster
             return probe(nbytes, refs)
 
     def probe(nbytes: int, refs: list) -> dict:
-        from app.object_store import _map_store, plasma_mappings, prefault_object_store
+        from app.object_store import _map_store, memory_available, plasma_mappings, prefault_budget, prefault_object_store
 
         _map_store()
         with open("/proc/self/maps") as f:
-            store = plasma_mappings(f.read())[0]
+            store = max(plasma_mappings(f.read()), key=lambda m: m.end - m.start)
+        with open("/proc/meminfo") as f:
+            budget = prefault_budget(nbytes, store.end - store.start, memory_available(f.read()))
         before = mapping_rss(store.start)
         none = prefault_object_store(0)
         done = prefault_object_store(nbytes, who="test")
         after = mapping_rss(store.start)
         got = ray.get(refs[0])
-        return {"before": before, "none": none, "done": done, "after": after,
+        return {"before": before, "none": none, "done": done, "after": after, "budget": budget,
                 "size": store.end - store.start, "sha": hashlib.sha256(got).hexdigest()}
 
     want = 256 * MiB
@@ -78,7 +80,9 @@ def test_a_fresh_process_maps_the_pages_and_objects_keep_their_bytes(ray_cluster
     finally:
         ray.kill(actor)
     assert out["none"] == 0
-    assert out["done"] == min(want, out["size"])
+    if out["budget"] < 64 * MiB:
+        pytest.skip(f"too little memory available here for the check ({out['budget']} bytes)")
+    assert out["done"] == out["budget"] <= want
     # The worker had touched little of the store; now its page tables hold the range.
     assert out["before"] < want // 2
     assert out["after"] >= out["done"]

@@ -82,6 +82,13 @@ def filesystem_of(path: str, mounts_text: str) -> Optional[str]:
     return fs
 
 
+def store_mapping(mappings: list[Mapping], mounts_text: str) -> Optional[Mapping]:
+    """The object store's primary arena among ``mappings``: the largest one on a memory
+    filesystem (the files Ray falls back to when the store is full are on disk), or None."""
+    in_memory = [m for m in mappings if filesystem_of(m.path, mounts_text) in _MEMORY_FILESYSTEMS]
+    return max(in_memory, key=lambda m: m.end - m.start, default=None)
+
+
 def memory_available(meminfo_text: str) -> Optional[int]:
     """``MemAvailable`` of ``/proc/meminfo`` text, in bytes (None if absent)."""
     for line in meminfo_text.splitlines():
@@ -175,13 +182,11 @@ def prefault_object_store(
             logger.info("object store: no mapping of it found in this process; not prefaulted")
             return 0
         mounts = _read("/proc/self/mounts")
-        in_memory = [m for m in mappings if filesystem_of(m.path, mounts) in _MEMORY_FILESYSTEMS]
-        if not in_memory:
+        store = store_mapping(mappings, mounts)
+        if store is None:
             logger.info("object store file %s is not in memory (%s): not prefaulted",
                         mappings[0].path, filesystem_of(mappings[0].path, mounts))
             return 0
-        # The primary arena: the largest (fallback files, made when it is full, are on disk).
-        store = max(in_memory, key=lambda m: m.end - m.start)
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         budget = prefault_budget(max_bytes, store.end - store.start, memory_available(_read("/proc/meminfo")))

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from app.object_store import filesystem_of, plasma_mappings
+from app.object_store import plasma_mappings, store_mapping
 
 pytestmark = [
     pytest.mark.integration,
@@ -34,20 +34,19 @@ def mapping_rss(start: int) -> int:
     raise AssertionError("mapping not found in smaps")
 
 
-def store_in_memory() -> bool:
+def this_store():
+    """This process's mapping of the store in memory (None: the store is on disk)."""
     from app.object_store import _map_store
 
     _map_store()
-    with open("/proc/self/maps") as f:
-        store = max(plasma_mappings(f.read()), key=lambda m: m.end - m.start)
-    with open("/proc/self/mounts") as f:
-        return filesystem_of(store.path, f.read()) in ("tmpfs", "hugetlbfs")
+    with open("/proc/self/maps") as f, open("/proc/self/mounts") as m:
+        return store_mapping(plasma_mappings(f.read()), m.read())
 
 
 def test_a_fresh_process_maps_the_pages_and_objects_keep_their_bytes(ray_cluster):
     import ray
 
-    if not store_in_memory():
+    if this_store() is None:
         pytest.skip("this Ray's object store is on disk, which prefault leaves alone")
     data = np.random.default_rng(7).integers(0, 256, 4 * MiB, dtype=np.uint8)
     held = [ray.put(data)]  # in a list: the task gets the reference, not the bytes
@@ -58,11 +57,9 @@ def test_a_fresh_process_maps_the_pages_and_objects_keep_their_bytes(ray_cluster
             return probe(nbytes, refs)
 
     def probe(nbytes: int, refs: list) -> dict:
-        from app.object_store import _map_store, memory_available, plasma_mappings, prefault_budget, prefault_object_store
+        from app.object_store import memory_available, prefault_budget, prefault_object_store
 
-        _map_store()
-        with open("/proc/self/maps") as f:
-            store = max(plasma_mappings(f.read()), key=lambda m: m.end - m.start)
+        store = this_store()
         with open("/proc/meminfo") as f:
             budget = prefault_budget(nbytes, store.end - store.start, memory_available(f.read()))
         before = mapping_rss(store.start)
@@ -96,7 +93,7 @@ def test_dataplane_replicas_prefault_at_start(ray_cluster, redis_server):
     from app.config import AppConfig
     from deployments.dataplane.deployment import dataplane_deployment
 
-    if not store_in_memory():
+    if this_store() is None:
         pytest.skip("this Ray's object store is on disk, which prefault leaves alone")
     cfg = AppConfig.model_validate({
         "dataplane": {"num_replicas": 2, "num_cpus": 0.1, "redis": {"url": redis_server.url, "password_env": None}},

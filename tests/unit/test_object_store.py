@@ -1,10 +1,10 @@
-"""The parsing behind app/object_store.py: which mappings are the object store's file,
-and on which filesystem it lies (the prefault itself runs against a real Ray in
-tests/integration/test_object_store.py)."""
+"""The pure parts of app/object_store.py: which mapping is the object store's file, on
+which filesystem it lies, and how much to prefault (the prefault itself runs against a
+real Ray in tests/integration/test_object_store.py)."""
 
 from __future__ import annotations
 
-from app.object_store import filesystem_of, memory_available, plasma_mappings, prefault_budget
+from app.object_store import filesystem_of, memory_available, plasma_mappings, prefault_budget, store_mapping
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r--p 00000000 fd:01 1234                       /usr/bin/python3.11
@@ -32,6 +32,14 @@ def test_only_shared_plasma_file_mappings_in_address_order():
         ("0x7f1f30000000", "/tmp/ray/plasma fallback/plasmaAbCdEf"),
     ]
     assert found[1].end - found[1].start == 2 << 30
+
+
+def test_the_store_is_the_largest_plasma_mapping_in_memory():
+    found = plasma_mappings(MAPS)
+    assert store_mapping(found, MOUNTS).path == "/dev/shm/plasmaefQvzk"
+    on_disk = [m for m in found if m.path.startswith("/tmp/")]
+    assert store_mapping(on_disk, MOUNTS) is None  # a fallback file on disk is never it
+    assert store_mapping([], MOUNTS) is None
 
 
 def test_filesystem_is_that_of_the_longest_mount_point_holding_the_path():

@@ -488,7 +488,7 @@ class ServeRuntimeConfig(_Strict):
         "(app/object_store.py): its puts and reads of blocks then skip a page fault per "
         "4 KiB. Takes 0.2-0.7 s of one core per GiB at start (in a thread) and "
         "allocates that much of the store's shared memory up front (at most a quarter "
-        "of the memory available then); 0 turns it off. "
+        "of the memory available then, machine or container); 0 turns it off. "
         "Cover the data plane's L2 on the node (replicas x l2_capacity_bytes).",
     )
 

@@ -38,7 +38,7 @@ logger = logging.getLogger("ray.serve")
 MADV_POPULATE_WRITE = 23  # linux/mman.h, 5.14+
 _CHUNK = 256 << 20
 _ALIGN = 2 << 20  # madvise wants whole (huge) pages
-AVAILABLE_SHARE = 4  # never more than 1/4 of MemAvailable
+AVAILABLE_SHARE = 4  # never more than 1/4 of the memory available (machine or cgroup)
 _MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 # Bigger than Ray inlines into the owner's memory (100 KiB): this one lands in the store.
 _MAP_PROBE_BYTES = 256 << 10
@@ -95,6 +95,34 @@ def memory_available(meminfo_text: str) -> Optional[int]:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def cgroup_available(max_text: str, current_text: str) -> Optional[int]:
+    """Memory left under a cgroup v2 limit (``memory.max`` minus ``memory.current``), or
+    None when unlimited or unreadable: in a container (a KubeRay pod) the limit, not the
+    machine's MemAvailable, is what the store's pages count against."""
+    try:
+        limit = max_text.strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int(current_text.strip()))
+    except ValueError:
+        return None
+
+
+def available_memory() -> Optional[int]:
+    """The least of MemAvailable and what this process's cgroup (v2) limit leaves."""
+    figures = []
+    try:
+        figures.append(memory_available(_read("/proc/meminfo")))
+    except OSError:
+        pass
+    try:
+        figures.append(cgroup_available(_read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")))
+    except OSError:
+        pass
+    known = [f for f in figures if f is not None]
+    return min(known) if known else None
 
 
 def prefault_budget(max_bytes: int, mapping_bytes: int, available: Optional[int]) -> int:
@@ -189,7 +217,7 @@ def prefault_object_store(
             return 0
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        budget = prefault_budget(max_bytes, store.end - store.start, memory_available(_read("/proc/meminfo")))
+        budget = prefault_budget(max_bytes, store.end - store.start, available_memory())
         if budget < max_bytes:
             logger.info(
                 "object store: prefaulting %d MiB, not %d: the mapping's size or a quarter of the available memory",

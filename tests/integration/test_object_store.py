@@ -57,11 +57,10 @@ def test_a_fresh_process_maps_the_pages_and_objects_keep_their_bytes(ray_cluster
             return probe(nbytes, refs)
 
     def probe(nbytes: int, refs: list) -> dict:
-        from app.object_store import memory_available, prefault_budget, prefault_object_store
+        from app.object_store import available_memory, prefault_budget, prefault_object_store
 
         store = this_store()
-        with open("/proc/meminfo") as f:
-            budget = prefault_budget(nbytes, store.end - store.start, memory_available(f.read()))
+        budget = prefault_budget(nbytes, store.end - store.start, available_memory())
         before = mapping_rss(store.start)
         none = prefault_object_store(0)
         done = prefault_object_store(nbytes, who="test")

@@ -4,7 +4,14 @@ real Ray in tests/integration/test_object_store.py)."""
 
 from __future__ import annotations
 
-from app.object_store import filesystem_of, memory_available, plasma_mappings, prefault_budget, store_mapping
+from app.object_store import (
+    cgroup_available,
+    filesystem_of,
+    memory_available,
+    plasma_mappings,
+    prefault_budget,
+    store_mapping,
+)
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r--p 00000000 fd:01 1234                       /usr/bin/python3.11
@@ -68,3 +75,10 @@ def test_budget_is_the_least_of_asked_mapping_and_a_quarter_of_available_in_2mib
     assert prefault_budget(2 * GiB, 7 * GiB, None) == 2 * GiB
     assert prefault_budget(0, 7 * GiB, 20 * GiB) == 0
     assert prefault_budget(2 * GiB, 7 * GiB, 3 << 20) == 0  # under one unit
+
+
+def test_a_cgroup_limit_leaves_its_limit_minus_its_use():
+    assert cgroup_available("17179869184\n", "4294967296\n") == 12 * GiB
+    assert cgroup_available("max\n", "4294967296\n") is None
+    assert cgroup_available("1000\n", "5000\n") == 0
+    assert cgroup_available("", "1") is None

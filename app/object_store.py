@@ -36,7 +36,10 @@ from typing import Callable, Optional
 logger = logging.getLogger("ray.serve")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, 5.14+
-_CHUNK = 256 << 20
+_CHUNK = 64 << 20  # one madvise call holds the process's mmap lock for ~15-45 ms
+# A replica's prefault runs beside its traffic (it starts when the replica does, often
+# while others are busy taking over): at most half of one core.
+BACKGROUND_DUTY = 0.5
 _ALIGN = 2 << 20  # madvise wants whole (huge) pages
 AVAILABLE_SHARE = 4  # never more than 1/4 of the memory available (machine or cgroup)
 _MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
@@ -153,7 +156,7 @@ def _map_store() -> None:
 class Prefault:
     """:func:`prefault_object_store` running in a daemon thread, so that a replica serves
     meanwhile (the store's allocator fills the low addresses first, which the prefault
-    reaches first). ``bytes_done`` grows as it goes."""
+    reaches first), at most half of one core. ``bytes_done`` grows as it goes."""
 
     def __init__(self, max_bytes: int, who: str = ""):
         self.bytes_done = 0
@@ -167,7 +170,7 @@ class Prefault:
 
     def _run(self, max_bytes: int, who: str) -> None:
         try:
-            prefault_object_store(max_bytes, who=who, progress=self._progress)
+            prefault_object_store(max_bytes, who=who, progress=self._progress, duty=BACKGROUND_DUTY)
         finally:
             self.finished.set()
 
@@ -188,12 +191,17 @@ class Prefault:
 
 
 def prefault_object_store(
-    max_bytes: int, *, who: str = "", progress: Optional[Callable[[int], None]] = None
+    max_bytes: int,
+    *,
+    who: str = "",
+    progress: Optional[Callable[[int], None]] = None,
+    duty: float = 1.0,
 ) -> int:
     """Populate this process's page tables for the first ``max_bytes`` of its mapping of
     the node's object store. Returns the bytes populated (0 where unsupported: not Linux,
     kernel before 5.14, Ray not running, a store on disk); ``progress`` gets the running
-    total after each chunk. Never raises."""
+    total after each chunk. ``duty`` < 1 sleeps between chunks so that the work takes at
+    most that share of one core (and the process's mmap lock). Never raises."""
     if max_bytes <= 0 or not sys.platform.startswith("linux"):
         return 0
     started = time.perf_counter()
@@ -227,6 +235,7 @@ def prefault_object_store(
         done = 0
         for addr in range(store.start, end, _CHUNK):
             length = min(_CHUNK, end - addr)
+            chunk_started = time.perf_counter()
             if libc.madvise(addr, length, MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
                 if err == errno.EINVAL and done == 0:
@@ -237,6 +246,9 @@ def prefault_object_store(
             done += length
             if progress is not None:
                 progress(done)
+            if duty < 1.0 and addr + length < end:
+                # Yield the core (and the process's mmap lock) between chunks.
+                time.sleep((time.perf_counter() - chunk_started) * (1.0 / duty - 1.0))
     except Exception:  # noqa: BLE001 - an optimisation only
         logger.warning("object store: prefault failed", exc_info=True)
         return 0

@@ -10,8 +10,8 @@ reads of those blocks pay the faults on every new block.
 
 :func:`prefault_object_store` populates this process's page tables for the first
 ``max_bytes`` of the mapping (where the store's allocator places objects first) in a few
-``madvise(MADV_POPULATE_WRITE)`` calls (Linux 5.14+): 0.2-0.7 s per GiB once, at start,
-in a thread of its own (:class:`Prefault`) while the replica serves.
+``madvise(MADV_POPULATE_WRITE)`` calls (Linux 5.14+): 0.2-0.7 s of CPU per GiB once, at
+start, in a thread of its own (:class:`Prefault`) at half a core while the replica serves.
 It never changes what the pages hold. It does allocate the store's pages that no process
 had touched yet, i.e. the node's ``object_store_memory`` (which Ray reserves for the
 store) is taken up front, up to ``max_bytes`` and at most a quarter of the memory

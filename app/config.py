@@ -487,10 +487,10 @@ class ServeRuntimeConfig(_Strict):
         "KV blocks through it (the data plane, torch workers with KV reuse) maps at start "
         "(app/object_store.py): its puts and reads of blocks then skip a page fault per "
         "4 KiB. Takes 0.2-0.7 s of one core per GiB at start (in a thread, at half a "
-        "core, so twice that long) and "
-        "allocates that much of the store's shared memory up front (at most a quarter "
-        "of the memory available then, machine or container); 0 turns it off. "
-        "Cover the data plane's L2 on the node (replicas x l2_capacity_bytes).",
+        "core, so twice that long) and allocates that much of the store's shared memory "
+        "up front (at most a quarter of the memory available then, machine or "
+        "container); 0 turns it off. Cover the data plane's L2 on the node (replicas x "
+        "l2_capacity_bytes).",
     )
 
 

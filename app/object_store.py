@@ -164,13 +164,13 @@ class Prefault:
         self._who = who
         self._gauge = None
         self._thread = threading.Thread(
-            target=self._run, args=(max_bytes, who), name="object-store-prefault", daemon=True
+            target=self._run, args=(max_bytes,), name="object-store-prefault", daemon=True
         )
         self._thread.start()
 
-    def _run(self, max_bytes: int, who: str) -> None:
+    def _run(self, max_bytes: int) -> None:
         try:
-            prefault_object_store(max_bytes, who=who, progress=self._progress, duty=BACKGROUND_DUTY)
+            prefault_object_store(max_bytes, who=self._who, progress=self._progress, duty=BACKGROUND_DUTY)
         finally:
             self.finished.set()
 

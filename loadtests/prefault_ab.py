@@ -45,7 +45,7 @@ async def _measure(dp, blocks: int, block_bytes: int, calls: int) -> dict:
         stored = await dp.put_blocks_packed("ab", hashes, arrays, lengths, shard_key=hashes[0])
         puts.append(time.perf_counter() - started)
         assert stored == blocks, f"stored {stored} of {blocks}"
-        while dp._l2.dirty:  # written behind to Redis
+        while (await dp.status())["unsynced_blocks"]:  # written behind to Redis
             await asyncio.sleep(0.02)
         await dp.flush_l2()
         started = time.perf_counter()

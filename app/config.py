@@ -433,6 +433,19 @@ class DataPlaneConfig(_Strict):
         default=200, ge=1, le=600_000, description="Write-behind period from L2 to Redis."
     )
     kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
+    root_index_sync_ms: int = Field(
+        default=250,
+        ge=0,
+        le=60_000,
+        description="The chain-root index (deployments/dataplane/root_index.py): the data "
+        "plane publishes the first block hash of every stored chain to Redis this often, "
+        "and each router mirrors that set this often, so a request without a session whose "
+        "first block no stored chain starts with skips the data-plane lookup (a certain "
+        "miss) instead of paying a call for it. A chain stored through another ingress "
+        "replica becomes visible to this one within about two periods; until then a "
+        "request for it recomputes. Requests with a session always look up. 0: off, every "
+        "request looks up.",
+    )
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
         description="The durable Redis (AOF): session records, and KV blocks too unless "

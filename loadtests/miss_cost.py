@@ -5,9 +5,11 @@ a miss pays, by each handle transport.
     python -m loadtests.miss_cost [--preset small] [--requests 30]
 
 Apps (same model and config but for the data plane settings): ``reuse`` (KV reuse on,
-``dataplane.prefetch: when_queued``), ``reuse_prefetch_always`` and ``no_reuse``. Each
-request is a fresh 25-word chat turn, in a new session or stateless, with 2 output tokens;
-the variants are alternated request by request. Then ``lookup_prefix`` of 5 unknown
+``dataplane.prefetch: when_queued``, the chain-root index on), ``reuse_prefetch_always``,
+``reuse_no_root_index`` (``root_index_sync_ms: 0``: every request looks up) and
+``no_reuse``. Each request is a fresh 25-word chat turn, in a new session or stateless,
+with 2 output tokens; the variants are alternated request by request. A stateless fresh
+prompt is what the root index spares a lookup; a session's first turn still looks up. Then ``lookup_prefix`` of 5 unknown
 hashes is timed through the DataPlane handle by reference (Ray actor call) and by value
 (Serve's gRPC transport), alternated. Medians and quartiles go to stdout and to --out.
 Starts its own Redis and Ray; loopback only.
@@ -30,8 +32,17 @@ import httpx
 from loadtests.benchmark import write_report
 from loadtests.multiturn import WORDS, app_args
 
-APPS = {"reuse": (True, "when_queued"), "reuse_prefetch_always": (True, "always"), "no_reuse": (False, "when_queued")}
-VARIANTS = [("reuse", True), ("reuse_prefetch_always", True), ("no_reuse", True), ("reuse", False), ("no_reuse", False)]
+# name: (KV reuse, dataplane.prefetch, dataplane.root_index_sync_ms)
+APPS = {
+    "reuse": (True, "when_queued", 250),
+    "reuse_prefetch_always": (True, "always", 250),
+    "reuse_no_root_index": (True, "when_queued", 0),
+    "no_reuse": (False, "when_queued", 250),
+}
+VARIANTS = [
+    ("reuse", True), ("reuse_prefetch_always", True), ("no_reuse", True),
+    ("reuse", False), ("reuse_no_root_index", False), ("no_reuse", False),
+]
 
 
 def _say(msg: str) -> None:
@@ -100,9 +111,10 @@ def main(argv=None) -> int:
         use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        for name, (reuse, prefetch) in APPS.items():
+        for name, (reuse, prefetch, root_index_ms) in APPS.items():
             a = app_args(model_path, redis.url, reuse, num_threads=2, l1=False)
             a["dataplane"]["prefetch"] = prefetch
+            a["dataplane"]["root_index_sync_ms"] = root_index_ms
             _say(f"deploying {name}")
             serve.run(build_app(a), name=name, route_prefix=f"/{name}", blocking=False)
         for name in APPS:
@@ -136,6 +148,7 @@ def main(argv=None) -> int:
     ratios = {
         "session_turn1_reuse_over_no_reuse": r["reuse/session"]["median_ms"] / r["no_reuse/session"]["median_ms"],
         "stateless_reuse_over_no_reuse": r["reuse/stateless"]["median_ms"] / r["no_reuse/stateless"]["median_ms"],
+        "stateless_reuse_without_root_index_over_no_reuse": r["reuse_no_root_index/stateless"]["median_ms"] / r["no_reuse/stateless"]["median_ms"],
         "prefetch_always_over_when_queued": r["reuse_prefetch_always/session"]["median_ms"] / r["reuse/session"]["median_ms"],
         "lookup_by_value_over_by_reference": r["lookup_call/by_value"]["median_ms"] / r["lookup_call/by_reference"]["median_ms"],
     }

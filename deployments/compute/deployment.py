@@ -114,6 +114,7 @@ class ComputeWorker:
                 ("prefix_hit_tokens", "Prompt tokens whose KV came from the data plane."),
                 ("prefilled_tokens", "Prompt tokens computed by prefill."),
                 ("fetch_skipped", "Stored prefixes recomputed because that was measured faster."),
+                ("lookups_skipped", "Data-plane lookups not made: no stored chain starts with the prompt's first block (the router's root index)."),
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),
                 ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),

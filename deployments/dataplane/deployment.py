@@ -58,6 +58,8 @@ logger = logging.getLogger("ray.serve")
 MAX_CACHED_SESSIONS = 100_000
 # Blocks per Redis round trip in write-behind and resync.
 WRITE_BATCH = 256
+# Chain roots kept per tenant for publishing while Redis is unreachable.
+MAX_PENDING_ROOTS = 100_000
 
 SessionKey = tuple[str, str]  # (tenant, session id)
 
@@ -148,6 +150,10 @@ class _Metrics:
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
         self.prefetch_used = m.Counter("llm_dataplane_prefetch_used_blocks", "Prefetched blocks later read by a worker.")
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
+        self.roots_published = m.Counter(
+            "llm_dataplane_roots_published",
+            "Chain roots (first block hashes) published to Redis for the routers' root index.",
+        )
         self.transfer_seconds = m.Histogram(
             "llm_dataplane_block_transfer_seconds",
             "Time a block get or put spends in the data plane (Redis included, Serve hop not), by op and tier.",
@@ -226,6 +232,9 @@ class DataPlane:
         # L2 keys brought up by prefetch() and not yet read (bounded by L2's own size:
         # entries of evicted keys are dropped on eviction).
         self._prefetched: set[str] = set()
+        # Chain roots stored or hit since the last publish, by tenant (root_index.py);
+        # kept while Redis is down and published once it is back.
+        self._roots: dict[str, set[str]] = defaultdict(set)
         self._tasks: list[asyncio.Task] = []
         self._peers = None
         self._started = False
@@ -256,6 +265,8 @@ class DataPlane:
             loop.create_task(self._write_behind_loop()),
             loop.create_task(self._reconnect_loop()),
         ]
+        if self._cfg.root_index_sync_ms:
+            self._tasks.append(loop.create_task(self._publish_roots_loop()))
         # The handle to the other replicas (for deleting a session's blocks on their
         # shard) is made now and used once, so its request router already knows every
         # replica when a delete needs the hash ring; a fresh one may not yet.
@@ -436,17 +447,22 @@ class DataPlane:
 
     # -- KV blocks: write-behind ---------------------------------------------------------
 
-    async def _write_behind_loop(self) -> None:
+    async def _kv_loop(self, period_ms: int, pending: Callable[[], object], work, what: str) -> None:
+        """Every ``period_ms``: ``work`` against the KV Redis when there is ``pending``
+        work and that server is up (an outage leaves the work for later)."""
         while True:
-            await asyncio.sleep(self._cfg.sync_interval_ms / 1000)
-            if self._degraded[KV] or not self._l2.dirty:
+            await asyncio.sleep(period_ms / 1000)
+            if self._degraded[KV] or not pending():
                 continue
             try:
-                await self._redis(KV, self._write_dirty_blocks)
+                await self._redis(KV, work)
             except RedisUnavailable:
                 pass
             except Exception:
-                logger.exception("DataPlane: write-behind failed")
+                logger.exception("DataPlane: %s failed", what)
+
+    def _write_behind_loop(self):
+        return self._kv_loop(self._cfg.sync_interval_ms, lambda: self._l2.dirty, self._write_dirty_blocks, "write-behind")
 
     async def _write_blocks(self, items: Sequence[tuple[str, bytes]]) -> None:
         by_tenant: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
@@ -468,6 +484,34 @@ class DataPlane:
         self._m.inc("written_behind", len(items))
         self._counts["written_behind"] += len(items)
         return len(items)
+
+    def _note_root(self, tenant: str, root: str) -> None:
+        """A chain root to publish (bounded while Redis is down: past the bound a root
+        stays unpublished, and a request without a session recomputes that chain)."""
+        pending = self._roots[tenant]
+        if self._cfg.root_index_sync_ms and len(pending) < MAX_PENDING_ROOTS:
+            pending.add(root)
+
+    def _publish_roots_loop(self):
+        return self._kv_loop(
+            self._cfg.root_index_sync_ms, lambda: self._roots, self._publish_roots, "publishing chain roots"
+        )
+
+    async def _publish_roots(self) -> int:
+        """Publish the pending chain roots (a failed tenant's stay pending)."""
+        published = 0
+        now = time.time()
+        for tenant in list(self._roots):
+            roots = self._roots.pop(tenant)
+            try:
+                await self._store.add_kv_roots(tenant, sorted(roots), now)
+            except BaseException:
+                self._roots[tenant] |= roots
+                raise
+            published += len(roots)
+        self._m.inc("roots_published", published)
+        self._counts["roots_published"] += published
+        return published
 
     async def _handle_evicted(self, evicted: list[Evicted]) -> None:
         """Hand dirty evictions to Redis before they are gone; count the rest."""
@@ -540,6 +584,10 @@ class DataPlane:
                     continue
                 await self._put_l2(keys.block_key(tenant, h), b, dirty=True, group=group)
                 stored += 1
+            if stored:
+                # ``shard_key`` is the chain's root (connector.py), hashes[0] for a chain
+                # stored from its start.
+                self._note_root(tenant, shard_key or hashes[0])
         self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "put", "tier": TIER_L2})
         self._counts["bytes_in"] += nbytes
         self._m.inc("bytes_in", nbytes)
@@ -599,6 +647,8 @@ class DataPlane:
         if hit.num_blocks < len(hashes):
             self._counts["lookup_misses"] += 1
             self._m.inc("misses")
+        if hit.num_blocks:
+            self._note_root(tenant, hashes[0])  # still in use: refreshed in the index
         if with_refs and hit.num_blocks and hit.tier == TIER_L2:
             run = hashes[: hit.num_blocks]
             blocks = await self._read_blocks(tenant, run)  # in L2 (unless evicted meanwhile)

@@ -7,6 +7,10 @@ them cannot forge another key. No braces: each key hashes to its own Redis Clust
     llm:<tenant>:sess:<id>:blocks   set    "<shard_key>|<block hash>" of the session's blocks
     llm:<tenant>:kv:<hash>          string encoded KV block (payload)
     llm:<tenant>:kvi:<hash>         string index entry: payload length; present ⇒ payload is
+                                           present (written after it, expires before it)
+    llm:<tenant>:kvroots            zset   root (first block hash) of every stored chain,
+                                           scored by the wall time of its last store or hit
+                                           (root_index.py)
 """
 
 from __future__ import annotations
@@ -53,3 +57,7 @@ def session_block_member(shard_key: str, block_hash: str) -> str:
 def split_session_block_member(member: str) -> tuple[str, str]:
     shard_key, _, block_hash = member.rpartition("|")
     return (shard_key or block_hash), block_hash
+
+
+def kv_roots_key(tenant: str) -> str:
+    return f"{PREFIX}:{_q(tenant)}:kvroots"

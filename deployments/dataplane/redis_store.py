@@ -375,6 +375,20 @@ class RedisStore:
         return await self.delete_blocks(tenant, [block_hash])
 
     @_unavailable
+    async def add_kv_roots(self, tenant: str, roots: Sequence[str], now: Optional[float] = None) -> None:
+        """Publish chain roots (root_index.py): each scored ``now`` (wall time), entries
+        older than the L3 TTL dropped, the set itself expiring with the last of them."""
+        if not roots:
+            return
+        now = self._clock() if now is None else now
+        key = keys.kv_roots_key(tenant)
+        pipe = self._kv.pipeline(transaction=False)
+        pipe.zadd(key, {r: now for r in roots})
+        pipe.zremrangebyscore(key, "-inf", f"({now - self._kv_ttl_s!r}")
+        pipe.expire(key, self._kv_ttl_s + PAYLOAD_TTL_MARGIN_S)
+        await pipe.execute()
+
+    @_unavailable
     async def add_session_blocks(
         self, tenant: str, session_id: str, members: Sequence[str], ttl_s: int
     ) -> None:

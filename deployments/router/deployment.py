@@ -35,6 +35,7 @@ from app.errors import GatewayTimeoutError, RateLimitError, _causes, replica_dea
 from app.telemetry import LATENCY_BUCKETS_S
 from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
+from deployments.dataplane.root_index import RootIndex, redis_fetcher
 from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER, classify_outcome, report_outcome
 
@@ -78,7 +79,12 @@ class _Queued:
 
 class Router:
     def __init__(
-        self, worker: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
+        self,
+        worker: DeploymentHandle,
+        config: dict,
+        dataplane: Optional[DeploymentHandle] = None,
+        *,
+        root_index: Optional[RootIndex] = None,
     ):
         self._config = AppConfig.model_validate(config)
         self._dataplane = dataplane
@@ -135,7 +141,48 @@ class Router:
             "Requests past limits.request_timeout_s (504, work cancelled), by where they were.",
             tag_keys=("stage",),
         )
+        self._m_kv_lookups_skipped = metrics.Counter(
+            "llm_router_kv_lookups_skipped",
+            "Requests without a session sent without a KV lookup: no stored chain starts "
+            "with their first block (the root index).",
+        )
+        self._m_root_index_roots = metrics.Gauge(
+            "llm_router_kv_root_index_roots", "Chain roots in this router's mirror of the root index."
+        )
+        self._m_root_index_synced = metrics.Gauge(
+            "llm_router_kv_root_index_synced",
+            "1 while the last sync of the root index from Redis worked, 0 after a failure.",
+        )
         self._prefetch_tasks: set[asyncio.Task] = set()
+        self._root_index = root_index if root_index is not None else self._make_root_index()
+
+    def _make_root_index(self) -> Optional[RootIndex]:
+        """The mirror of the data plane's chain roots (root_index.py), when lookups go
+        through the data plane and the index is on."""
+        dc = self._config.dataplane
+        if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
+            return None
+        if not dc.root_index_sync_ms:
+            return None
+        fetch, _ = redis_fetcher(dc)
+        return RootIndex(fetch, sync_interval_s=dc.root_index_sync_ms / 1000, on_sync=self._root_index_synced)
+
+    def _root_index_synced(self, index: RootIndex, ok: bool) -> None:
+        self._m_root_index_roots.set(index.num_roots)
+        self._m_root_index_synced.set(1 if ok else 0)
+
+    def _skip_kv_lookup(self, request: GenerationRequest, hashes: list[str]) -> bool:
+        """Whether the request goes without a KV lookup (``kv_lookup_skip``): it names no
+        session and the root index, fresh, holds no chain starting with its first block."""
+        index = self._root_index
+        if index is None or not hashes or request.session_id is not None:
+            return False
+        index.start()
+        if index.may_hold(request.tenant, hashes[0]):
+            return False
+        request.kv_lookup_skip = True
+        self._m_kv_lookups_skipped.inc()
+        return True
 
     def _kv_hashes(self, request: GenerationRequest) -> list[str]:
         """The block hashes the worker's engine will look up for this prompt (all but its
@@ -146,13 +193,13 @@ class Router:
             return []
         return block_hashes(self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size)
 
-    async def _start_kv_lookup(self, request: GenerationRequest) -> None:
+    async def _start_kv_lookup(self, request: GenerationRequest, hashes: Optional[list[str]] = None) -> None:
         """Start the data plane's lookup of the prompt's prefix now and hand the call to
         the worker with the request (``kv_lookup``): it runs while the request travels to
         the worker, whose engine would otherwise make the same call first thing, so a
         miss costs less and a hit starts loading sooner. Any failure only means the
         worker asks itself."""
-        hashes = self._kv_hashes(request)
+        hashes = self._kv_hashes(request) if hashes is None else hashes
         if not hashes:
             return
         try:
@@ -165,7 +212,7 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the worker looks up itself
             logger.debug("router-started KV lookup not started: %r", e)
 
-    def _prefetch(self, request: GenerationRequest) -> bool:
+    def _prefetch(self, request: GenerationRequest, hashes: Optional[list[str]] = None) -> bool:
         """Ask the data plane to bring a session's blocks up to host memory while the
         request waits here: compute (queueing) and data (fetching) overlap. Whether it did."""
         if request.session_id is None:
@@ -174,7 +221,7 @@ class Router:
         if dc.prefetch == "off" or (dc.prefetch == "when_queued" and self._has_idle_worker()):
             # Dispatched at once: the router-started lookup serves it instead.
             return False
-        hashes = self._kv_hashes(request)
+        hashes = self._kv_hashes(request) if hashes is None else hashes
         if not hashes:
             return False
         self._m_prefetch.inc()
@@ -314,11 +361,14 @@ class Router:
         self._m_queue_depth.set(self._admission.depth)
         ctx = telemetry.extract_context(request.trace_headers)
         item = lookup = None
+        hashes = self._kv_hashes(request)
         try:
-            if not self._prefetch(request):
+            if self._skip_kv_lookup(request, hashes):
+                pass  # a certain miss: no lookup here nor in the worker
+            elif not self._prefetch(request, hashes):
                 # Its assignment to a data-plane replica (~3 ms on 2 cores, which every
                 # request paid in full when awaited here) runs while the request queues.
-                lookup = asyncio.ensure_future(self._start_kv_lookup(request))
+                lookup = asyncio.ensure_future(self._start_kv_lookup(request, hashes))
             await self._resolve_batching()
             with self._tracer.start_as_current_span("router.queue", context=ctx) as span:
                 item = _Queued(request, time.monotonic())
@@ -326,6 +376,7 @@ class Router:
                 self._m_pending.set(self._batcher.num_pending)
                 batch_key = await self._within_deadline(item.dispatched, deadline, request, "queue")
                 span.set_attribute("llm.batch_key", batch_key)
+                span.set_attribute("llm.kv_lookup_skipped", request.kv_lookup_skip)
                 request.trace_headers = telemetry.inject_context()
             if lookup is not None:
                 await lookup  # the request goes with the call's reference (bounded: 0.2 s)
@@ -336,6 +387,9 @@ class Router:
                     except StopAsyncIteration:
                         break
                     yield delta
+            if hashes and self._root_index is not None:
+                # The worker exports the request's blocks under this root as it finishes.
+                self._root_index.add(request.tenant, hashes[0])
         finally:
             if lookup is not None and not lookup.done():
                 lookup.cancel()

@@ -363,6 +363,63 @@ async def test_a_chain_continued_later_stays_on_one_shard(dataplane):
     assert await conn.load(tenant, hashes) == blocks
 
 
+async def test_chain_roots_are_published_for_the_routers_index(dataplane, redis_server, redis_client):  # noqa: F811
+    """Each stored chain's root (its first block hash, also for a continuation stored
+    later) reaches Redis's ``kvroots`` set within a few publish periods, where a router's
+    mirror (``redis_fetcher`` + ``RootIndex``) reads it; a lookup that hits refreshes
+    its score; entries older than the L3 TTL are pruned."""
+    from deployments.dataplane.root_index import RootIndex, redis_fetcher
+
+    tenant = tenant_name()
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    hashes, blocks = make_blocks(tenant, 4, seed=7)
+    conn.save(tenant, hashes[:2], blocks[:2])
+    await conn.drain()
+    conn.save(tenant, hashes[2:], blocks[2:], chain_root=hashes[0])  # a continuation
+    await conn.drain()
+    key = keys.kv_roots_key(tenant)
+
+    async def published():
+        return redis_client.zrange(key, 0, -1, withscores=True)
+
+    rows = await wait_for(published, 10)
+    assert [r for r, _ in rows] == [hashes[0].encode()], rows  # the continuation's root too
+    first_score = rows[0][1]
+    assert abs(first_score - time.time()) < 30
+
+    cfg = AppConfig.model_validate(dataplane_args(redis_server.url)).dataplane
+    fetch, close = redis_fetcher(cfg)
+    index = RootIndex(fetch, sync_interval_s=0.25)
+    index.may_hold(tenant, "-")
+    await index.sync_once()
+    assert index.may_hold(tenant, hashes[0]) is True
+    assert index.may_hold(tenant, hashes[1]) is False  # not a root
+    other, _ = make_blocks(tenant, 1, seed=8)
+    assert index.may_hold(tenant, other[0]) is False
+
+    # A lookup that hits marks the root as in use: a newer score.
+    await asyncio.sleep(0.05)
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])
+    assert hit.num_blocks == 4
+
+    async def refreshed():
+        score = redis_client.zscore(key, hashes[0])
+        return score is not None and score > first_score
+
+    await wait_for(refreshed, 10)
+    # Pruned past the TTL: an entry scored long ago goes with the next publish.
+    redis_client.zadd(key, {"ancient-root": time.time() - 10 * 86_400})
+    conn.save(tenant, other, make_blocks(tenant, 1, seed=8)[1])
+    await conn.drain()
+
+    async def pruned():
+        return redis_client.zscore(key, "ancient-root") is None and redis_client.zscore(key, other[0]) is not None
+
+    await wait_for(pruned, 10)
+    assert redis_client.ttl(key) > 0
+    await close()
+
+
 async def test_connector_failure_is_a_miss():
     class Broken:
         def __getattr__(self, name):
@@ -424,6 +481,11 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
     assert redis_client.exists(keys.session_key(tenant, created.id))
     for h, b in zip(hashes, blocks):
         assert redis_client.get(keys.block_key(tenant, h)) == b
+
+    async def root_published():  # kept through the outage, published once it ended
+        return redis_client.zscore(keys.kv_roots_key(tenant), hashes[0]) is not None
+
+    await wait_for(root_published, 10)
     # And the session continues normally, through Redis again.
     rec = await dataplane.append_turn.remote(tenant, sid, 6, [{"role": "user", "content": "after"}], 1, shard_key=sid)
     assert rec.version == 7

@@ -110,6 +110,38 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
     assert second.usage.prompt_tokens == stateless.usage.prompt_tokens == len(prompt)
 
 
+def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(served_app):
+    """The router's root index (deployments/dataplane/root_index.py): a stateless prompt
+    whose first block starts no stored chain goes to the worker without a data-plane
+    lookup (a certain miss); once served, its chain is stored and the same prompt looks
+    it up and reuses it."""
+    if served_app.engine != "torch":
+        pytest.skip("the data-plane lookup is the torch engine's (vLLM's connector reads Redis)")
+    import uuid
+
+    from ray import serve
+
+    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    client = served_app.client()
+
+    def ask(text):
+        return client.completions.create(model=served_app.model_id, prompt=text, temperature=0, max_tokens=4)
+
+    ask("warm up the root index for this tenant " * 4)
+    time.sleep(1.5)  # a few sync periods: the mirror of this tenant is fresh
+    prompt = f"never seen before {uuid.uuid4().hex} " * 6
+    before = worker.kv_stats.remote().result(timeout_s=30)
+    first = ask(prompt)
+    mid = worker.kv_stats.remote().result(timeout_s=30)
+    assert mid["lookups_skipped"] - before["lookups_skipped"] == 1, (before, mid)
+    assert mid["early_lookups_used"] == before["early_lookups_used"], (before, mid)
+    second = ask(prompt)
+    after = worker.kv_stats.remote().result(timeout_s=30)
+    assert after["lookups_skipped"] == mid["lookups_skipped"], (mid, after)
+    assert after["prefix_hit_tokens"] > mid["prefix_hit_tokens"], (mid, after)
+    assert second.choices[0].text == first.choices[0].text
+
+
 def test_session_id_in_body_and_streaming_turn_is_appended(served_app):
     client = served_app.client()
     sid = new_session(served_app)["id"]

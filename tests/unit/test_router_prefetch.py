@@ -240,3 +240,54 @@ async def test_the_lookup_is_assigned_while_the_request_queues(one_worker):
 
 async def _drain(stream) -> int:
     return len([d async for d in stream])
+
+
+async def test_root_index_skips_certain_misses_for_requests_without_a_session(one_worker):
+    """No stored chain starts with the prompt's first block (the index is fresh): no
+    lookup, here or in the worker (``kv_lookup_skip``). A session request always looks
+    up. Once a request has run, its root is known here and the same prompt looks up."""
+    from deployments.dataplane.root_index import RootIndex
+
+    async def fetch(tenant, since, limit):
+        return [("some-other-root", 1.0)]
+
+    index = RootIndex(fetch, sync_interval_s=60)
+    dp, worker = _DataPlane(), _Worker()
+    router = Router(worker, {"dataplane": {"block_size": 16}, "engine": {"name": "torch"}}, dp, root_index=index)
+    index.may_hold("default", "-")  # the tenant is known...
+    await index.sync_once()  # ...and synced
+
+    async def run(request):
+        return [d async for d in router.generate(request)]
+
+    stateless = _session_request()
+    stateless.session_id = None
+    await run(stateless)
+    assert stateless.kv_lookup_skip is True and dp.lookup_prefix.calls == []
+    assert worker.sent[-1] == (None, None)
+
+    session = _session_request()
+    await run(session)
+    assert session.kv_lookup_skip is False and len(dp.lookup_prefix.calls) == 1
+
+    again = _session_request()
+    again.session_id = None
+    await run(again)  # same prompt: the first request's blocks were exported
+    assert again.kv_lookup_skip is False and len(dp.lookup_prefix.calls) == 2
+    await index.stop()
+
+
+async def test_a_stale_root_index_skips_nothing(one_worker):
+    from deployments.dataplane.root_index import RootIndex
+
+    async def fetch(tenant, since, limit):
+        raise ConnectionError("redis down")
+
+    index = RootIndex(fetch, sync_interval_s=60)
+    dp = _DataPlane()
+    router = Router(_Worker(), {"dataplane": {"block_size": 16}, "engine": {"name": "torch"}}, dp, root_index=index)
+    request = _session_request()
+    request.session_id = None
+    _ = [d async for d in router.generate(request)]
+    assert request.kv_lookup_skip is False and len(dp.lookup_prefix.calls) == 1
+    await index.stop()

@@ -60,6 +60,10 @@ class GenerationRequest:
     # hash it looked up, which the worker checks against its own before using it.
     kv_lookup: Optional[Any] = None
     kv_lookup_key: Optional[str] = None
+    # KV reuse: the router's index of stored chains has none that starts with this
+    # prompt's first block, so a data-plane lookup would miss for certain; the engine
+    # skips it (its own L1 still counts). deployments/dataplane/root_index.py.
+    kv_lookup_skip: bool = False
 
 
 @dataclass(slots=True)

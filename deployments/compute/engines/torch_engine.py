@@ -91,6 +91,9 @@ class KVStats:
     prefilled_tokens: int = 0
     # A hit that was not fetched because recomputing was measured to be faster.
     fetch_skipped: int = 0
+    # Data-plane lookups not made: the router's root index said no stored chain starts
+    # with the prompt's first block (GenerationRequest.kv_lookup_skip).
+    lookups_skipped: int = 0
     # Lookup/load raised, load returned None, or a block failed to decode.
     fetch_failures: int = 0
     blocks_exported: int = 0
@@ -316,6 +319,7 @@ class TorchEngine(Engine):
             blocks_imported=s.blocks_imported,
             prefilled_tokens=s.prefilled_tokens,
             fetch_skipped=s.fetch_skipped,
+            lookups_skipped=s.lookups_skipped,
             fetch_failures=s.fetch_failures,
             blocks_exported=s.blocks_exported,
             export_failures=s.export_failures,
@@ -421,7 +425,9 @@ class TorchEngine(Engine):
         try:
             # The data plane may hold more than L1 (a turn served by another replica).
             hit = PrefixHit(0)
-            if l1_blocks < len(hashes):
+            if l1_blocks < len(hashes) and request.kv_lookup_skip:
+                stats.lookups_skipped += 1
+            elif l1_blocks < len(hashes):
                 started = request.kv_lookup if request.kv_lookup_key == hashes[-1] else None
                 hit = await kv.lookup(tenant, hashes, started=started)
             t_lookup = time.perf_counter() - t0

@@ -439,12 +439,12 @@ class DataPlaneConfig(_Strict):
         le=60_000,
         description="The chain-root index (deployments/dataplane/root_index.py): the data "
         "plane publishes the first block hash of every stored chain to Redis this often, "
-        "and each router mirrors that set this often, so a request without a session whose "
-        "first block no stored chain starts with skips the data-plane lookup (a certain "
-        "miss) instead of paying a call for it. A chain stored through another ingress "
-        "replica becomes visible to this one within about two periods; until then a "
-        "request for it recomputes. Requests with a session always look up. 0: off, every "
-        "request looks up.",
+        "and each router mirrors that set this often, so a request that does not continue "
+        "a session (stateless, or a first turn) and whose first block no stored chain "
+        "starts with skips the data-plane lookup (a certain miss) instead of paying a call "
+        "for it. A chain stored through another ingress replica becomes visible to this "
+        "one within about two periods; until then a request for it recomputes. A "
+        "session's later turns always look up. 0: off, every request looks up.",
     )
     redis: RedisConfig = Field(
         default_factory=RedisConfig,

@@ -480,6 +480,7 @@ class Ingress:
                 gen_request.buffered = not req.stream
                 if turn is not None:
                     gen_request.session_id = turn.session_id
+                    gen_request.session_continues = turn.expected_version > 0
                     span.set_attribute("llm.session_id", turn.session_id)
                 gen_requests = self._choice_requests(req, gen_request)
                 calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]

@@ -8,8 +8,9 @@ Apps (same model and config but for the data plane settings): ``reuse`` (KV reus
 ``dataplane.prefetch: when_queued``, the chain-root index on), ``reuse_prefetch_always``,
 ``reuse_no_root_index`` (``root_index_sync_ms: 0``: every request looks up) and
 ``no_reuse``. Each request is a fresh 25-word chat turn, in a new session or stateless,
-with 2 output tokens; the variants are alternated request by request. A stateless fresh
-prompt is what the root index spares a lookup; a session's first turn still looks up. Then ``lookup_prefix`` of 5 unknown
+with 2 output tokens; the variants are alternated request by request. Neither a fresh
+stateless prompt nor a session's first turn can hit: with the root index on, neither
+pays a lookup (``reuse_no_root_index`` measures the stateless one without it). Then ``lookup_prefix`` of 5 unknown
 hashes is timed through the DataPlane handle by reference (Ray actor call) and by value
 (Serve's gRPC transport), alternated. Medians and quartiles go to stdout and to --out.
 Starts its own Redis and Ray; loopback only.
@@ -134,6 +135,14 @@ def main(argv=None) -> int:
                     _say(f"{i + 1}/{args.requests} requests per variant")
         for (app, session), xs in times.items():
             results[f"{app}/{'session' if session else 'stateless'}"] = summary(xs)
+        # How many of each app's requests its worker looked up, and how many it did not
+        # (the root index): the check that the variants ran as named.
+        kv_counts = {}
+        for name, (reuse, _, _) in APPS.items():
+            if reuse:
+                stats = serve.get_deployment_handle("ComputeWorker", app_name=name).kv_stats.remote().result()
+                kv_counts[name] = {k: stats.get(k, 0) for k in ("lookups", "lookups_skipped", "early_lookups_used")}
+                _say(f"{name}: worker KV counters {kv_counts[name]}")
         handle = serve.get_deployment_handle("DataPlane", app_name="reuse")
         kinds = {"by_reference": handle, "by_value": handle.options(_by_reference=False)}
         lookups: dict[str, list[float]] = {k: [] for k in kinds}
@@ -155,7 +164,7 @@ def main(argv=None) -> int:
     for key, s in results.items():
         print(f"{key:40s} median {s['median_ms']:7.1f} ms   p25 {s['p25_ms']:7.1f}   p75 {s['p75_ms']:7.1f}")
     print(json.dumps(ratios, indent=2))
-    _say(f"stored {write_report(args.out, {'args': vars(args), 'results': results, 'ratios': ratios})}")
+    _say(f"stored {write_report(args.out, {'args': vars(args), 'results': results, 'ratios': ratios, 'worker_kv': kv_counts})}")
     return 0
 
 

@@ -487,7 +487,8 @@ class DataPlane:
 
     def _note_root(self, tenant: str, root: str) -> None:
         """A chain root to publish (bounded while Redis is down: past the bound a root
-        stays unpublished, and a request without a session recomputes that chain)."""
+        stays unpublished, and a request that does not continue a session recomputes
+        that chain)."""
         pending = self._roots[tenant]
         if self._cfg.root_index_sync_ms and len(pending) < MAX_PENDING_ROOTS:
             pending.add(root)

@@ -5,8 +5,9 @@ engines/kv.py): a prompt can only hit a stored prefix if its own first block has
 root of a stored chain. The data plane publishes the roots it stores or serves to Redis
 (``llm:<tenant>:kvroots``, a sorted set scored by the wall time of the last store or hit;
 entries older than the L3 TTL are pruned, so the set stays the size of what L3 can hold),
-and each router mirrors that set (:class:`RootIndex`). A request without a session whose
-root is not in the mirror would miss for certain: the router tells the worker not to ask
+and each router mirrors that set (:class:`RootIndex`). A request that does not continue a
+session (stateless, or a session's first turn) whose root is not in the mirror would
+miss for certain: the router tells the worker not to ask
 (``GenerationRequest.kv_lookup_skip``), so a new prompt pays no data-plane call at all.
 This is the part of Dynamo's KV-aware router index that decides "nothing to reuse",
 at the granularity of whole chains.
@@ -18,8 +19,8 @@ What the mirror may get wrong, and what that costs:
 * A root stored moments ago through another ingress replica, not yet mirrored here (at
   most about two ``root_index_sync_ms`` periods): the request recomputes its prefix and
   exports it again. A router adds the roots of requests it served itself at once.
-* Session requests never skip: a session's next turn follows its previous one by
-  milliseconds, before any mirror could have caught up.
+* A session's later turns never skip (``session_continues``): a turn follows the
+  previous one's export by milliseconds, before any mirror could have caught up.
 * While the mirror is stale (Redis unreachable, or no answer for a while) or has not
   yet synced a tenant, every request looks up, as without the index.
 """

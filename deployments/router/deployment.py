@@ -143,7 +143,7 @@ class Router:
         )
         self._m_kv_lookups_skipped = metrics.Counter(
             "llm_router_kv_lookups_skipped",
-            "Requests without a session sent without a KV lookup: no stored chain starts "
+            "Requests (not continuing a session) sent without a KV lookup: no stored chain starts "
             "with their first block (the root index).",
         )
         self._m_root_index_roots = metrics.Gauge(
@@ -172,10 +172,12 @@ class Router:
         self._m_root_index_synced.set(1 if ok else 0)
 
     def _skip_kv_lookup(self, request: GenerationRequest, hashes: list[str]) -> bool:
-        """Whether the request goes without a KV lookup (``kv_lookup_skip``): it names no
-        session and the root index, fresh, holds no chain starting with its first block."""
+        """Whether the request goes without a KV lookup (``kv_lookup_skip``): it does not
+        continue a session (whose previous turn's blocks were exported moments ago,
+        sooner than any mirror catches up) and the root index, fresh, holds no chain
+        starting with its first block."""
         index = self._root_index
-        if index is None or not hashes or request.session_id is not None:
+        if index is None or not hashes or request.session_continues:
             return False
         index.start()
         if index.may_hold(request.tenant, hashes[0]):
@@ -361,8 +363,9 @@ class Router:
         self._m_queue_depth.set(self._admission.depth)
         ctx = telemetry.extract_context(request.trace_headers)
         item = lookup = None
-        hashes = self._kv_hashes(request)
+        hashes: list[str] = []
         try:
+            hashes = self._kv_hashes(request)
             if self._skip_kv_lookup(request, hashes):
                 pass  # a certain miss: no lookup here nor in the worker
             elif not self._prefetch(request, hashes):

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from tests.fixtures.serve_app import wait_for
+
 pytestmark = pytest.mark.integration
 
 
@@ -90,9 +92,12 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
     second = turn(client, served_app.model_id, sid, "and a follow up", max_tokens=12)
     after = worker.kv_stats.remote().result(timeout_s=30)
     if served_app.engine == "torch":
-        # Both turns' prefix lookups were started by the router as they arrived and
-        # awaited by the worker instead of a call of its own.
-        assert after["early_lookups_used"] - before["early_lookups_used"] == 2, (before, after)
+        # The second turn's prefix lookup was started by the router as it arrived and
+        # awaited by the worker instead of a call of its own. So was the first's, unless
+        # the root index (fresh by then, if an earlier test synced it) skipped it.
+        used = after["early_lookups_used"] - before["early_lookups_used"]
+        skipped = after["lookups_skipped"] - before["lookups_skipped"]
+        assert used + skipped == 2 and used >= 1, (before, after)
         assert after["early_lookups_failed"] == before["early_lookups_failed"]
     messages = stored_record(served_app, sid).messages
     history = messages[:2]
@@ -117,28 +122,41 @@ def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(
     it up and reuses it."""
     if served_app.engine != "torch":
         pytest.skip("the data-plane lookup is the torch engine's (vLLM's connector reads Redis)")
-    import uuid
+    import random
 
     from ray import serve
 
+    from deployments.compute.engines.kv import block_hashes
+
     worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
     client = served_app.client()
 
-    def ask(text):
-        return client.completions.create(model=served_app.model_id, prompt=text, temperature=0, max_tokens=4)
+    def ask(prompt):
+        return client.completions.create(model=served_app.model_id, prompt=prompt, temperature=0, max_tokens=4)
 
     ask("warm up the root index for this tenant " * 4)
     time.sleep(1.5)  # a few sync periods: the mirror of this tenant is fresh
-    prompt = f"never seen before {uuid.uuid4().hex} " * 6
+    prompt = [random.randrange(30, 250) for _ in range(70)]  # token ids no request had
     before = worker.kv_stats.remote().result(timeout_s=30)
     first = ask(prompt)
     mid = worker.kv_stats.remote().result(timeout_s=30)
     assert mid["lookups_skipped"] - before["lookups_skipped"] == 1, (before, mid)
     assert mid["early_lookups_used"] == before["early_lookups_used"], (before, mid)
+    # The worker exports the blocks as the request ends, behind the reply: wait for them.
+    hashes = block_hashes(served_app.model_id, "default", prompt[:-1], 16)
+    wait_for(
+        lambda: dataplane.lookup_prefix.remote("default", hashes, shard_key=hashes[0]).result(timeout_s=30).num_blocks
+        == len(hashes),
+        30,
+        "the first request's blocks in the data plane",
+    )
     second = ask(prompt)
     after = worker.kv_stats.remote().result(timeout_s=30)
     assert after["lookups_skipped"] == mid["lookups_skipped"], (mid, after)
-    assert after["prefix_hit_tokens"] > mid["prefix_hit_tokens"], (mid, after)
+    # Found: reused, unless importing it was measured slower than its prefill.
+    reused = after["prefix_hit_tokens"] - mid["prefix_hit_tokens"]
+    assert reused == len(hashes) * 16 or after["fetch_skipped"] - mid["fetch_skipped"] == 1, (mid, after)
     assert second.choices[0].text == first.choices[0].text
 
 

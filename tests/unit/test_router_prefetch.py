@@ -244,8 +244,9 @@ async def _drain(stream) -> int:
 
 async def test_root_index_skips_certain_misses_for_requests_without_a_session(one_worker):
     """No stored chain starts with the prompt's first block (the index is fresh): no
-    lookup, here or in the worker (``kv_lookup_skip``). A session request always looks
-    up. Once a request has run, its root is known here and the same prompt looks up."""
+    lookup, here or in the worker (``kv_lookup_skip``), also for a session's first turn;
+    a later turn of a session always looks up. Once a request has run, its root is known
+    here and the same prompt looks up."""
     from deployments.dataplane.root_index import RootIndex
 
     async def fetch(tenant, since, limit):
@@ -266,7 +267,14 @@ async def test_root_index_skips_certain_misses_for_requests_without_a_session(on
     assert stateless.kv_lookup_skip is True and dp.lookup_prefix.calls == []
     assert worker.sent[-1] == (None, None)
 
-    session = _session_request()
+    first_turn = _session_request()  # a session's first turn: nothing of its own yet
+    first_turn.prompt_token_ids = list(range(200, 250))
+    await run(first_turn)
+    assert first_turn.kv_lookup_skip is True and dp.lookup_prefix.calls == []
+
+    session = _session_request()  # a later turn: the previous one's blocks just left
+    session.prompt_token_ids = list(range(300, 350))
+    session.session_continues = True
     await run(session)
     assert session.kv_lookup_skip is False and len(dp.lookup_prefix.calls) == 1
 

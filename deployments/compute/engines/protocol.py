@@ -50,6 +50,9 @@ class GenerationRequest:
     # Whose request: KV blocks are keyed per tenant, so tenants never share cache.
     tenant: str = "default"
     session_id: Optional[str] = None
+    # The prompt starts with a session's stored history: the previous turn's blocks were
+    # exported moments ago (the router always looks those up, see kv_lookup_skip).
+    session_continues: bool = False
     # The client gets nothing before the whole reply (a non-streaming request): the router
     # holds the deltas back and may run the request again even after a worker that died
     # had produced tokens.

@@ -23,6 +23,10 @@ What the mirror may get wrong, and what that costs:
   previous one's export by milliseconds, before any mirror could have caught up.
 * While the mirror is stale (Redis unreachable, or no answer for a while) or has not
   yet synced a tenant, every request looks up, as without the index.
+
+Cost: one ZRANGEBYSCORE per known tenant per period (a tenant with no request for 10
+minutes is forgotten, and synced afresh when it returns), and a set of 16-byte hex roots
+per tenant in each router's memory (over a million, that tenant always looks up).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class _Tenant:
     # be published yet.
     added: dict[str, float] = field(default_factory=dict)
     overflow: bool = False
+    # time.monotonic() of the last request of this tenant (an idle tenant is forgotten).
+    used_at: float = 0.0
 
 
 class RootIndex:
@@ -72,6 +78,7 @@ class RootIndex:
         sync_interval_s: float,
         stale_after_s: Optional[float] = None,
         full_sync_interval_s: float = 300.0,
+        forget_after_s: float = 600.0,
         max_roots: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
         on_sync: Optional[Callable[["RootIndex", bool], None]] = None,
@@ -83,6 +90,9 @@ class RootIndex:
         # Past this since the last complete sync, the mirror is not trusted to say "no".
         self.stale_after_s = stale_after_s if stale_after_s is not None else max(2.0, 8 * sync_interval_s)
         self.full_sync_interval_s = full_sync_interval_s
+        # A tenant with no request for this long is dropped: each known tenant costs one
+        # Redis read per period.
+        self.forget_after_s = forget_after_s
         self.max_roots = max_roots
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
@@ -99,8 +109,9 @@ class RootIndex:
         now on (and looked up until then)."""
         t = self._tenants.get(tenant)
         if t is None:
-            self._tenants[tenant] = _Tenant()
+            self._tenants[tenant] = _Tenant(used_at=self._clock())
             return True
+        t.used_at = self._clock()
         if t.overflow or not self.fresh(tenant):
             return True
         return root in t.roots
@@ -117,6 +128,7 @@ class RootIndex:
         """A root this router just caused to be stored (a request it served exported its
         blocks): known here at once, not one sync later."""
         t = self._tenants.setdefault(tenant, _Tenant())
+        t.used_at = self._clock()
         if not t.overflow:
             t.roots.add(root)
             t.added[root] = self._clock()
@@ -133,6 +145,9 @@ class RootIndex:
         ``fetch`` raises; a tenant that failed keeps its previous state."""
         for tenant, t in list(self._tenants.items()):
             now = self._clock()
+            if now - t.used_at > self.forget_after_s:
+                del self._tenants[tenant]  # asked about again, it is synced afresh
+                continue
             full = now - t.full_at >= self.full_sync_interval_s
             since = float("-inf") if full else t.newest - CLOCK_SKEW_S
             # Added here this recently, a root may not be in Redis yet (the data plane

@@ -150,3 +150,20 @@ async def test_run_syncs_until_stopped_and_reports_each_attempt():
     await index.stop()
     assert True in seen and False in seen
     assert index.syncs >= 1 and index.sync_failures >= 1
+
+
+async def test_an_idle_tenant_is_forgotten_and_synced_afresh_when_it_returns():
+    zsets, clock = _Zsets(), _Clock()
+    zsets.sets["t"] = {"r": 1.0}
+    index = _index(zsets, clock, forget_after_s=600)
+    index.may_hold("t", "x")
+    await index.sync_once()
+    assert index.may_hold("t", "x") is False
+    clock.now += 601
+    await index.sync_once()  # no request for 10 minutes: no more reads for it
+    calls = len(zsets.calls)
+    await index.sync_once()
+    assert len(zsets.calls) == calls and index.num_roots == 0
+    assert index.may_hold("t", "x") is True  # unknown again: looks up until synced
+    await index.sync_once()
+    assert index.may_hold("t", "x") is False and index.may_hold("t", "r") is True

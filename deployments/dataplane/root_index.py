@@ -25,7 +25,7 @@ What the mirror may get wrong, and what that costs:
   yet synced a tenant, every request looks up, as without the index.
 
 Cost: one ZRANGEBYSCORE per known tenant per period (a tenant with no request for 10
-minutes is forgotten, and synced afresh when it returns), and a set of 16-byte hex roots
+minutes is forgotten, and synced afresh when it returns), and a set of 32-character hex roots
 per tenant in each router's memory (over a million, that tenant always looks up).
 """
 
@@ -149,6 +149,8 @@ class RootIndex:
                 del self._tenants[tenant]  # asked about again, it is synced afresh
                 continue
             full = now - t.full_at >= self.full_sync_interval_s
+            if t.overflow and not full:
+                continue  # only a full read can tell whether it fits again
             since = float("-inf") if full else t.newest - CLOCK_SKEW_S
             # Added here this recently, a root may not be in Redis yet (the data plane
             # publishes every period); older local adds must be there to count.
@@ -179,14 +181,11 @@ class RootIndex:
                         "KV root index: tenant %r has over %d stored chains; its requests "
                         "always look up", tenant, self.max_roots,
                     )
-                t.overflow, t.roots = True, set()
+                t.overflow, t.roots, t.full_at = True, set(), now
             elif full:
-                t.roots = found | t.added.keys()
-                t.full_at = now
+                t.overflow, t.roots, t.full_at = False, found | t.added.keys(), now
             else:
                 t.roots |= found
-            if not overflow:
-                t.overflow = False
             t.newest = newest
             t.synced_at = now
 

@@ -160,6 +160,33 @@ def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_a_later_session_turn_always_looks_up(served_app):
+    """A session's later turn is marked ``session_continues`` by the ingress and looks its
+    prefix up even when the router's root index has never seen its root (here the first
+    turn was stored straight through the data plane, so no router served it and no
+    block was exported). Unmarked, it would skip the lookup: a later turn usually
+    follows the export of the previous one by milliseconds, before any mirror has it."""
+    if served_app.engine != "torch":
+        pytest.skip("the data-plane lookup is the torch engine's (vLLM's connector reads Redis)")
+    from ray import serve
+
+    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
+    client = served_app.client()
+    turn(client, served_app.model_id, new_session(served_app)["id"], "warm up " * 8)
+    time.sleep(1.5)  # the mirror of this tenant is fresh: it says "no" to unknown roots
+    sid = new_session(served_app)["id"]
+    history = [{"role": "user", "content": "an earlier question " * 4},
+               {"role": "assistant", "content": "an earlier answer " * 4}]
+    dataplane.append_turn.remote("default", sid, 0, history, 40, shard_key=sid).result(timeout_s=30)
+    before = worker.kv_stats.remote().result(timeout_s=30)
+    turn(client, served_app.model_id, sid, "and a new one", max_tokens=4)
+    after = worker.kv_stats.remote().result(timeout_s=30)
+    assert after["lookups_skipped"] == before["lookups_skipped"], (before, after)
+    assert after["early_lookups_used"] - before["early_lookups_used"] == 1, (before, after)
+    assert get_session(served_app, sid).json()["version"] == 2
+
+
 def test_session_id_in_body_and_streaming_turn_is_appended(served_app):
     client = served_app.client()
     sid = new_session(served_app)["id"]

@@ -115,13 +115,13 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
     assert second.usage.prompt_tokens == stateless.usage.prompt_tokens == len(prompt)
 
 
+# The data-plane lookup is the torch engine's (vLLM's connector reads Redis itself).
+@pytest.mark.parametrize("served_app", ["torch"], indirect=True)
 def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(served_app):
     """The router's root index (deployments/dataplane/root_index.py): a stateless prompt
     whose first block starts no stored chain goes to the worker without a data-plane
     lookup (a certain miss); once served, its chain is stored and the same prompt looks
     it up and reuses it."""
-    if served_app.engine != "torch":
-        pytest.skip("the data-plane lookup is the torch engine's (vLLM's connector reads Redis)")
     import random
 
     from ray import serve
@@ -160,14 +160,14 @@ def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(
     assert second.choices[0].text == first.choices[0].text
 
 
+# The data-plane lookup is the torch engine's (vLLM's connector reads Redis itself).
+@pytest.mark.parametrize("served_app", ["torch"], indirect=True)
 def test_a_later_session_turn_always_looks_up(served_app):
     """A session's later turn is marked ``session_continues`` by the ingress and looks its
     prefix up even when the router's root index has never seen its root (here the first
     turn was stored straight through the data plane, so no router served it and no
     block was exported). Unmarked, it would skip the lookup: a later turn usually
     follows the export of the previous one by milliseconds, before any mirror has it."""
-    if served_app.engine != "torch":
-        pytest.skip("the data-plane lookup is the torch engine's (vLLM's connector reads Redis)")
     from ray import serve
 
     worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")

@@ -501,11 +501,11 @@ class DataPlane:
     async def _publish_roots(self) -> int:
         """Publish the pending chain roots (a failed tenant's stay pending)."""
         published = 0
-        now = time.time()
         for tenant in list(self._roots):
             roots = self._roots.pop(tenant)
             try:
-                await self._store.add_kv_roots(tenant, sorted(roots), now)
+                # Scored by the store's clock (wall time), as its TTL pruning is.
+                await self._store.add_kv_roots(tenant, sorted(roots))
             except BaseException:
                 self._roots[tenant] |= roots
                 raise

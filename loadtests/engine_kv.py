@@ -47,8 +47,9 @@ def _say(msg: str) -> None:
     print(f"[engine-kv] {msg}", file=sys.stderr, flush=True)
 
 
-async def turn(engine, request_id: str, prompt: list[int], reply_tokens: int) -> tuple[float, list[int]]:
-    """(TTFT in seconds, the generated tokens) of one greedy request."""
+async def turn(engine, request_id: str, prompt: list[int], reply_tokens: int) -> tuple[float, float, list[int]]:
+    """(TTFT and time per output token after the first, in seconds; the generated tokens)
+    of one greedy request."""
     from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
 
     req = GenerationRequest(
@@ -60,8 +61,9 @@ async def turn(engine, request_id: str, prompt: list[int], reply_tokens: int) ->
         if ttft is None and delta.token_ids:
             ttft = time.perf_counter() - start
         out.extend(delta.token_ids)
+    tpot = (time.perf_counter() - start - ttft) / max(1, len(out) - 1)
     await engine.wait_for_kv_exports()  # a person's think time covers the export
-    return ttft, out
+    return ttft, tpot, out
 
 
 async def run(args) -> dict:
@@ -96,6 +98,7 @@ async def run(args) -> dict:
             await turn(e, f"warm-{i}", list(range(5, 5 + 3 * args.block_size)), 4)
 
     ttfts = {m: [[] for _ in range(args.turns)] for m in MODES}
+    tpots = {m: [[] for _ in range(args.turns)] for m in MODES}
     mismatched = {m: 0 for m in MODES}
     for rnd in range(args.rounds):
         rng = random.Random(1000 + rnd)
@@ -108,8 +111,9 @@ async def run(args) -> dict:
             for m in order:
                 e = engines[m]
                 prompt = contexts[m] + turns[t]
-                ttft, out = await turn(e, f"r{rnd}-t{t}-{m}", prompt, args.reply_tokens)
+                ttft, tpot, out = await turn(e, f"r{rnd}-t{t}-{m}", prompt, args.reply_tokens)
                 ttfts[m][t].append(ttft)
+                tpots[m][t].append(tpot)
                 replies[m].append(out)
                 contexts[m] = prompt + out
             _say(f"round {rnd + 1} turn {t + 1} (context {len(contexts['recompute'])} tokens): " + ", ".join(
@@ -138,6 +142,8 @@ async def run(args) -> dict:
         "dtype": args.dtype,
         "preset": args.preset,
         "ttft_ms_by_turn": per_turn,
+        # Decode speed at each turn's context length (the replies are the same length).
+        "tpot_ms_by_turn": {m: [1000 * statistics.median(v) for v in tpots[m]] for m in MODES},
         "ratios": ratios,
         "replies_differing_from_recompute": mismatched,
         "replies_compared": args.rounds * args.turns,
@@ -170,6 +176,9 @@ def main(argv=None) -> int:
     print("turn  " + "".join(f"{m:>12}" for m in MODES) + "   (median TTFT, ms)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{report['ttft_ms_by_turn'][m][t]:>12.1f}" for m in MODES))
+    print("turn  " + "".join(f"{m:>12}" for m in MODES) + "   (median time per output token, ms)")
+    for t in range(args.turns):
+        print(f"{t + 1:>4}  " + "".join(f"{report['tpot_ms_by_turn'][m][t]:>12.2f}" for m in MODES))
     print(json.dumps({k: report[k] for k in ("device_name", "dtype", "ratios", "replies_differing_from_recompute",
                                              "prefill_tokens_per_s", "prefill_tokens_per_s_by_mode",
                                              "prefill_fixed_seconds_by_mode", "import_bytes_per_s")}, indent=2))

@@ -13,7 +13,7 @@ block size is a miss, never wrong output.
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -116,10 +116,12 @@ def decode_kv_blocks(
     dtype: torch.dtype,
     shape: Sequence[int],
     verify: bool = True,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """n stored blocks (in order) → one ``[layers, 2, heads, n * block_size, head_dim]`` span
-    on CPU. Raises CorruptBlockError if any block fails its checks (``verify=False``: the
-    checksum is skipped, for blocks checked since they were written). Each payload is
+    on CPU (``out``, if given: a CPU tensor of that shape and ``dtype``, written and
+    returned). Raises CorruptBlockError if any block fails its checks (``verify=False``:
+    the checksum is skipped, for blocks checked since they were written). Each payload is
     copied once, straight into the span."""
     if not blocks:
         raise ValueError("no blocks to decode")
@@ -127,7 +129,12 @@ def decode_kv_blocks(
     block_size = shape[_TOKENS_DIM]
     span_shape = list(shape)
     span_shape[_TOKENS_DIM] = block_size * len(blocks)
-    span = torch.empty(span_shape, dtype=dtype)
+    if out is None:
+        span = torch.empty(span_shape, dtype=dtype)
+    elif list(out.shape) != span_shape or out.dtype != dtype or out.device.type != "cpu":
+        raise ValueError(f"out is {out.dtype} {list(out.shape)} on {out.device}, need {dtype} {span_shape} on cpu")
+    else:
+        span = out
     with warnings.catch_warnings():
         # A tensor over a read-only buffer: only read here, by the copy into the span.
         warnings.filterwarnings("ignore", message=".*not writable.*")

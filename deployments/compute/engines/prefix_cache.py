@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from deployments.compute.engines.kv_buffer import empty_with_room
+
 # Bytes of a hash in the reported keys: see deployments/router/placement.py:block_key.
 REPORTED_KEY_BYTES = 8
 
@@ -59,15 +61,19 @@ class PrefixCache:
                 n += 1
         return n
 
-    def get(self, hashes: Sequence[str]) -> torch.Tensor | None:
+    def get(self, hashes: Sequence[str], room: int = 0) -> torch.Tensor | None:
         """The K/V of these leading blocks as one ``[layers, 2, kv_heads, P, head_dim]``
         tensor (a new one: the cache's blocks are never handed out), or None if one is
-        missing (evicted since the lookup)."""
+        missing (evicted since the lookup). ``room``: tokens of room behind it, for the
+        engine's cache to append into (``kv_buffer.empty_with_room``)."""
         with self._lock:
             blocks = [self._blocks.get(h) for h in hashes]
         if not blocks or any(b is None for b in blocks):
             return None
-        return torch.cat(blocks, dim=3)
+        shape = list(blocks[0].shape)
+        shape[3] = sum(b.shape[3] for b in blocks)
+        out = empty_with_room(shape, room, dtype=blocks[0].dtype, device=blocks[0].device)
+        return torch.cat(blocks, dim=3, out=out)  # in place, also into a view with room
 
     def put(self, hashes: Sequence[str], span: torch.Tensor) -> None:
         """Keep the blocks of ``span`` (``[layers, 2, kv_heads, len(hashes) × block_size,
@@ -105,3 +111,4 @@ class PrefixCache:
             blob = b"".join(bytes.fromhex(h[: 2 * REPORTED_KEY_BYTES]) for h in recent)
             self._packed = (self._version, blob)
             return blob
+

@@ -8,7 +8,9 @@ side only enqueues commands and reads per-request result queues. Each step:
     sequences' KV into the running batch → emit deltas; finished/aborted rows leave.
 
 KV layout: one HF ``DynamicCache`` for the whole running batch, ``[batch, heads, T, dim]``
-per layer, left-padded, with a ``[batch, T]`` attention mask marking real positions.
+per layer, left-padded, with a ``[batch, T]`` attention mask marking real positions. Its
+layers append in place (``kv_buffer.GrowableLayer``: room behind the cached tokens, grown
+by a quarter when full) instead of concatenating the whole cache at every step.
 Position ids are each sequence's own token count, so padding never shifts RoPE and a
 sequence decodes the same tokens alone or in any batch (up to float rounding).
 
@@ -46,6 +48,12 @@ from deployments.compute.engines.kv import (
     Rate,
     block_hashes,
     should_fetch,
+)
+from deployments.compute.engines.kv_buffer import (
+    DECODE_ROOM_TOKENS,
+    empty_with_room,
+    growable_cache,
+    with_room,
 )
 from deployments.compute.engines.kv_codec import (
     CorruptBlockError,
@@ -421,6 +429,10 @@ class TorchEngine(Engine):
             return None
         stats.lookups += 1
         l1_blocks = self._l1.longest_prefix(hashes) if self._l1 is not None else 0
+        # The tokens the request's cache will hold soon: the prefix arrives in a buffer
+        # with room for the prompt's suffix and the first output tokens, so the prefill
+        # appends there instead of copying the prefix again (kv_buffer.py).
+        capacity = len(request.prompt_token_ids) + min(request.sampling.max_tokens, DECODE_ROOM_TOKENS)
         t0 = time.perf_counter()
         try:
             # The data plane may hold more than L1 (a turn served by another replica).
@@ -433,26 +445,26 @@ class TorchEngine(Engine):
             t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:
-                return await self._l1_prefix(hashes, l1_blocks)
+                return await self._l1_prefix(hashes, l1_blocks, capacity)
             if num_blocks != hit.num_blocks:
                 hit = PrefixHit(num_blocks, hit.tier, hit.num_bytes * num_blocks // max(1, hit.num_blocks))
             if not self._worth_importing(hit.tier, num_blocks, hit.num_bytes, kv.bandwidth_bytes_per_s(hit.tier)):
-                return await self._l1_prefix(hashes, l1_blocks)  # what L1 holds of it, if any
+                return await self._l1_prefix(hashes, l1_blocks, capacity)  # what L1 holds of it, if any
             started = time.perf_counter()
             blocks = await kv.load(tenant, hashes[:num_blocks])
             elapsed = time.perf_counter() - started
             if blocks is None or len(blocks) != num_blocks:
                 stats.fetch_failures += 1
                 logger.info("kv prefix load of %d blocks missed for %s", num_blocks, request.request_id)
-                return await self._l1_prefix(hashes, l1_blocks)
+                return await self._l1_prefix(hashes, l1_blocks, capacity)
             num_bytes = sum(len(b) for b in blocks)
             if elapsed > 0:
                 kv.record_fetch(hit.tier, num_bytes, elapsed)
             t_decode = time.perf_counter()
             if num_bytes > _DECODE_INLINE_MAX_BYTES or self._l1 is not None or self.device.type != "cpu":
-                prefix = await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks])
+                prefix = await asyncio.to_thread(self._decode_prefix, blocks, hashes[:num_blocks], capacity)
             else:
-                prefix = self._decode_prefix(blocks)
+                prefix = self._decode_prefix(blocks, capacity=capacity)
             self._record_import(hit.tier, num_bytes, time.perf_counter() - started)
             logger.debug(
                 "kv prefix fetched: request=%s tier=%s blocks=%d bytes=%d lookup_ms=%.1f load_ms=%.1f decode_ms=%.1f",
@@ -500,41 +512,50 @@ class TorchEngine(Engine):
         rate = self._import_rate.get(tier)
         return None if rate is None else rate.value
 
-    def _decode_prefix(self, blocks: list[bytes], hashes: Optional[list[str]] = None) -> torch.Tensor:
+    def _decode_prefix(
+        self, blocks: list[bytes], hashes: Optional[list[str]] = None, capacity: int = 0
+    ) -> torch.Tensor:
+        """The blocks as one span on the engine's device, leading a buffer that holds
+        ``capacity`` tokens (one copy of each block on a CPU; on an accelerator, a second
+        copy from the host, as before)."""
+        shape = list(self._kv_block_shape)
+        shape[3] *= len(blocks)
+        out = empty_with_room(shape, capacity - shape[3], dtype=self.dtype) if self.device.type == "cpu" else None
         prefix = decode_kv_blocks(
-            blocks, dtype=self.dtype, shape=self._kv_block_shape, verify=not isinstance(blocks, CheckedBlocks)
+            blocks, dtype=self.dtype, shape=self._kv_block_shape, verify=not isinstance(blocks, CheckedBlocks), out=out
         )
         if self._l1 is not None and hashes:
             self._l1.put(hashes, prefix)  # a fetched prefix is local from now on (on the host)
-        return prefix.to(self.device)
+        return with_room(prefix, capacity - shape[3], self.device)
 
-    async def _l1_prefix(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
+    async def _l1_prefix(self, hashes: list[str], num_blocks: int, capacity: int = 0) -> Optional[torch.Tensor]:
         """What L1 holds of the prefix (its first ``num_blocks`` blocks), when importing it
         is measured to beat prefilling it (the same decision as for the store's tiers)."""
         if num_blocks <= 0 or self._l1 is None:
             return None
         if not self._worth_importing(TIER_L1, num_blocks, num_blocks * self._l1_block_bytes()):
             return None
-        return await self._from_l1(hashes, num_blocks)
+        return await self._from_l1(hashes, num_blocks, capacity)
 
-    async def _from_l1(self, hashes: list[str], num_blocks: int) -> Optional[torch.Tensor]:
+    async def _from_l1(self, hashes: list[str], num_blocks: int, capacity: int = 0) -> Optional[torch.Tensor]:
         """The first ``num_blocks`` blocks from L1 as one prefix tensor on the engine's
         device; None if there are none (or one was evicted since the lookup)."""
         if num_blocks <= 0 or self._l1 is None:
             return None
         started = time.perf_counter()
         if num_blocks * self._l1_block_bytes() > _DECODE_INLINE_MAX_BYTES or self.device.type != "cpu":
-            prefix = await asyncio.to_thread(self._l1_get, hashes[:num_blocks])
+            prefix = await asyncio.to_thread(self._l1_get, hashes[:num_blocks], capacity)
         else:
-            prefix = self._l1_get(hashes[:num_blocks])
+            prefix = self._l1_get(hashes[:num_blocks], capacity)
         if prefix is not None:
             self._kv_stats.l1_hit_tokens += num_blocks * self.block_size
             self._record_import(TIER_L1, num_blocks * self._l1_block_bytes(), time.perf_counter() - started)
         return prefix
 
-    def _l1_get(self, hashes: list[str]) -> Optional[torch.Tensor]:
-        prefix = self._l1.get(hashes)
-        return None if prefix is None else prefix.to(self.device)
+    def _l1_get(self, hashes: list[str], capacity: int = 0) -> Optional[torch.Tensor]:
+        room = capacity - len(hashes) * self.block_size
+        prefix = self._l1.get(hashes, room if self.device.type == "cpu" else 0)  # L1 is on the host
+        return None if prefix is None else with_room(prefix, room, self.device)
 
     def _l1_block_bytes(self) -> int:
         n = self.dtype.itemsize
@@ -673,8 +694,6 @@ class TorchEngine(Engine):
         self._drop_done_rows()
 
     def _prefill(self, reqs: list[_Request]) -> _Batch:
-        from transformers import DynamicCache
-
         lengths = [len(r.seq.prompt_token_ids) for r in reqs]
         width = max(lengths)
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -684,7 +703,7 @@ class TorchEngine(Engine):
             input_ids[i, width - lengths[i] :] = torch.tensor(r.seq.prompt_token_ids)
             mask[i, width - lengths[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = growable_cache(self._kv_block_shape[0])
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.to(self.device),
@@ -701,20 +720,13 @@ class TorchEngine(Engine):
     def _prefill_with_prefix(self, req: _Request) -> _Batch:
         """Prefill one request whose first P prompt tokens' K/V were imported: the cache
         starts with them and only prompt[P:] is fed, at positions P.."""
-        from transformers import DynamicCache
-
         span, req.prefix = req.prefix, None
         prompt = req.seq.prompt_token_ids
         num_prefix, num_prompt = span.shape[3], len(prompt)  # 0 < P < prompt, checked in _step
-        span = span.to(self.device)
-        # The layers hold views of the span. (Handing the tensors to DynamicCache's
-        # constructor would concatenate each onto an empty tensor: a copy of the whole
-        # prefix, 34 MB for 2k tokens of the small model, in fresh memory.)
-        cache = DynamicCache(ddp_cache_data=[(None, None)] * span.shape[0])
-        for i, layer in enumerate(cache.layers):
-            keys, values = span[i, 0].unsqueeze(0), span[i, 1].unsqueeze(0)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+        # The layers hold views of the span and append the suffix into the room of the
+        # buffer it leads (_fetch_prefix made it with room); without room, the first
+        # update copies it into a new buffer once (kv_buffer.py).
+        cache = growable_cache(self._kv_block_shape[0], span.to(self.device))
         del span
         input_ids = torch.tensor([prompt[num_prefix:]], dtype=torch.long, device=self.device)
         mask = torch.ones((1, num_prompt), dtype=torch.long, device=self.device)

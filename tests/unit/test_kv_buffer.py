@@ -1,0 +1,185 @@
+"""kv_buffer: cache layers that append in place (exact contents, in-place writes, growth,
+never writing into memory they were not given) and a model's forward on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployments.compute.engines import kv_buffer
+from deployments.compute.engines.kv_buffer import (
+    GrowableLayer,
+    empty_with_room,
+    growable_cache,
+    room_buffer,
+    with_room,
+)
+from deployments.compute.engines.kv_codec import decode_kv_blocks, encode_kv_blocks
+from deployments.compute.engines.prefix_cache import PrefixCache
+
+B, H, D = 2, 3, 4
+
+
+def _states(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, t, D, generator=g), torch.randn(B, H, t, D, generator=g)
+
+
+def test_updates_equal_concatenation_and_write_in_place_until_the_room_is_gone():
+    layer = GrowableLayer()
+    ref_k = torch.empty(B, H, 0, D)
+    ref_v = torch.empty(B, H, 0, D)
+    grew = 0
+    ptr = None
+    for step, t in enumerate([5, 1, 1, 30, 1, 60, 1, 1, 200, 1]):
+        k, v = _states(t, step)
+        ref_k, ref_v = torch.cat([ref_k, k], dim=2), torch.cat([ref_v, v], dim=2)
+        capacity_before = layer.capacity
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert layer.get_seq_length() == ref_k.shape[2]
+        if ptr is not None and ref_k.shape[2] <= capacity_before:
+            assert keys.data_ptr() == ptr, f"step {step} copied the cache though it had room"
+        elif ptr is not None:
+            grew += 1
+            assert layer.capacity >= ref_k.shape[2] + kv_buffer.MIN_ROOM_TOKENS
+        ptr = keys.data_ptr()
+    assert grew >= 2  # the sizes above outgrow the room more than once
+
+
+def test_tensors_assigned_from_outside_are_never_written_into():
+    layer = GrowableLayer()
+    layer.update(*_states(8, 0))
+    # What the engine's batch merge/row drop do: assign views of other memory.
+    backing_k = torch.full((B, H, 20, D), 7.0)
+    backing_v = torch.full((B, H, 20, D), 9.0)
+    layer.keys, layer.values = backing_k[:, :, 2:10], backing_v[:, :, 2:10]
+    before_k, before_v = backing_k.clone(), backing_v.clone()
+    k, v = _states(3, 1)
+    keys, values = layer.update(k, v)
+    assert torch.equal(backing_k, before_k) and torch.equal(backing_v, before_v)
+    assert torch.equal(keys, torch.cat([before_k[:, :, 2:10], k], dim=2))
+    assert torch.equal(values, torch.cat([before_v[:, :, 2:10], v], dim=2))
+    # From then on it appends into its own new buffer.
+    ptr = keys.data_ptr()
+    assert layer.update(*_states(1, 2))[0].data_ptr() == ptr
+
+
+def test_batch_select_and_crop_keep_working():
+    layer = GrowableLayer()
+    k, v = _states(10, 0)
+    layer.update(k, v)
+    layer.batch_select_indices(torch.tensor([1]))
+    layer.crop(-2)
+    k2, v2 = torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    keys, values = layer.update(k2, v2)
+    assert torch.equal(keys, torch.cat([k[1:, :, :8], k2], dim=2))
+    assert torch.equal(values, torch.cat([v[1:, :, :8], v2], dim=2))
+
+
+def test_a_span_with_room_takes_the_suffix_in_place_and_one_without_is_left_alone():
+    L, P = 2, 6
+    span = empty_with_room((L, 2, H, P, D), 10, dtype=torch.float32)
+    span.copy_(torch.randn(L, 2, H, P, D))
+    prefix = span.clone()
+    buf = room_buffer(span)
+    assert buf.shape[3] == P + 10 and buf.data_ptr() == span.data_ptr()
+    cache = growable_cache(L, span)
+    for i, layer in enumerate(cache.layers):
+        k, v = torch.randn(1, H, 3, D), torch.randn(1, H, 3, D)
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys[0], torch.cat([prefix[i, 0], k[0]], dim=1))
+        assert torch.equal(values[0], torch.cat([prefix[i, 1], v[0]], dim=1))
+        assert keys.data_ptr() == span[i, 0].data_ptr()  # written into the span's buffer
+        assert torch.equal(buf[i, 0, :, P : P + 3], k[0])
+
+    # A span that leads no buffer of ours (here: a slice of someone's tensor) is only read.
+    owner = torch.randn(L, 2, H, P + 10, D)
+    before = owner.clone()
+    plain = owner[:, :, :, 2 : 2 + P]
+    assert room_buffer(plain) is plain
+    cache = growable_cache(L, plain)
+    for layer in cache.layers:
+        layer.update(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D))
+    assert torch.equal(owner, before)
+
+
+def test_room_buffer_refuses_views_that_do_not_lead_a_plain_buffer():
+    base = torch.zeros(2, 2, H, 10, D)
+    assert room_buffer(base.narrow(3, 0, 6)) is base
+    assert room_buffer(base.narrow(3, 1, 6)).shape[3] == 6  # not at the start
+    assert room_buffer(base[:1].narrow(3, 0, 6)).shape[3] == 6  # fewer layers than the buffer
+    transposed = base.transpose(2, 4).narrow(3, 0, 6)  # another layout
+    assert room_buffer(transposed) is transposed
+
+
+def test_with_room_copies_only_when_the_room_is_missing():
+    span = empty_with_room((1, 2, H, 4, D), 8, dtype=torch.float32)
+    assert with_room(span, 8, torch.device("cpu")) is span
+    bigger = with_room(span, 9, torch.device("cpu"))
+    assert bigger is not span and room_buffer(bigger).shape[3] == 4 + 9
+    plain = torch.randn(1, 2, H, 4, D)
+    moved = with_room(plain, 5, torch.device("cpu"))
+    assert torch.equal(moved, plain) and room_buffer(moved).shape[3] == 9
+
+
+def test_decode_and_l1_hand_out_spans_with_room():
+    shape = (2, 2, H, 4, D)
+    src = torch.randn(2, 2, H, 12, D)
+    blocks = encode_kv_blocks(src, 4)
+    out = empty_with_room((2, 2, H, 12, D), 20, dtype=torch.float32)
+    span = decode_kv_blocks(blocks, dtype=torch.float32, shape=shape, out=out)
+    assert span is out and torch.equal(span, src) and room_buffer(span).shape[3] == 32
+    with pytest.raises(ValueError):
+        decode_kv_blocks(blocks, dtype=torch.float32, shape=shape, out=torch.empty(2, 2, H, 8, D))
+
+    l1 = PrefixCache(1 << 20, 4)
+    l1.put(["a", "b", "c"], src)
+    got = l1.get(["a", "b"], room=7)
+    assert torch.equal(got, src[:, :, :, :8]) and room_buffer(got).shape[3] == 15
+
+
+def test_model_forward_on_growable_layers_matches_dynamic_cache(tiny_model_path, monkeypatch):
+    """A prefill then decode steps (outgrowing the room several times) give the logits of
+    transformers' own DynamicCache, and so does a prefill onto an imported prefix."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    monkeypatch.setattr(kv_buffer, "MIN_ROOM_TOKENS", 2)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    num_layers = model.config.num_hidden_layers
+    ids = torch.randint(10, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def run(cache, start: int):
+        logits = []
+        with torch.inference_mode():
+            out = model(
+                input_ids=ids[:, start:30],
+                position_ids=torch.arange(start, 30).unsqueeze(0),
+                attention_mask=torch.ones(1, 30, dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits.append(out.logits[:, -1])
+            for n in range(30, 40):
+                out = model(
+                    input_ids=ids[:, n : n + 1],
+                    position_ids=torch.tensor([[n]]),
+                    attention_mask=torch.ones(1, n + 1, dtype=torch.long),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits.append(out.logits[:, -1])
+        return torch.cat(logits)
+
+    reference = run(DynamicCache(), 0)
+    torch.testing.assert_close(run(growable_cache(num_layers), 0), reference, rtol=0, atol=1e-5)
+
+    # The first 16 tokens' K/V, imported into a span with room: only ids[16:] are fed.
+    prefix_cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids[:, :16], past_key_values=prefix_cache, use_cache=True)
+    span = empty_with_room((num_layers, 2) + tuple(prefix_cache.layers[0].keys.shape[1:]), 20, dtype=torch.float32)
+    for i, layer in enumerate(prefix_cache.layers):
+        span[i, 0].copy_(layer.keys[0])
+        span[i, 1].copy_(layer.values[0])
+    torch.testing.assert_close(run(growable_cache(num_layers, span), 16), reference, rtol=0, atol=1e-5)

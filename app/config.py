@@ -399,6 +399,16 @@ class SessionConfig(_Strict):
         "saying how many tokens are over; `truncate_oldest` drops the oldest turns.",
     )
     max_messages: int = Field(default=10_000, ge=1, le=1_000_000)
+    ingress_cache_tokens: int = Field(
+        default=1_000_000,
+        ge=0,
+        le=1 << 32,
+        description="Each ingress replica keeps the sessions it read or wrote last, up to "
+        "this many tokens of history in all (~40-70 bytes each). A turn of a session found "
+        "there builds its prompt at once while the store's copy is read, and goes to a "
+        "worker only once the two agree (else it is built again from the store's copy). "
+        "0: every turn waits for the read.",
+    )
 
 
 class DataPlaneConfig(_Strict):

@@ -104,6 +104,22 @@ class _Metrics:
         self.output_tokens = metrics.Counter(
             "llm_generation_tokens", "Generated tokens.", tag_keys=tags
         )
+        self.session_cache = metrics.Counter(
+            "llm_session_turns",
+            "Session turns by where their history came from: hit (this ingress's record of "
+            "the session, which the store's matched), stale (the store's was newer: prompt "
+            "built again), miss (waited for the store's read).",
+            tag_keys=("result",),
+        )
+
+
+class _SessionMoved(Exception):
+    """The store's record of a session is newer than the one this ingress built a turn's
+    prompt from (another ingress replica appended a turn since)."""
+
+    def __init__(self, record):
+        super().__init__(f"session {record.id} is at version {record.version}")
+        self.record = record
 
 
 class _Call:
@@ -297,21 +313,55 @@ class Ingress:
         self, req: ChatCompletionRequest, request: Request, early_session: Optional[asyncio.Task] = None
     ):
         """Prompt token ids of a chat request, with the session's history in front when it
-        names one; also returns the turn to append once the reply is done.
-        ``early_session``: the read of the header's session, already started."""
+        names one; also returns the turn to append once the reply is done, and the check
+        to pass before the turn may reach a worker (None: nothing to check).
+        ``early_session``: the read of the header's session, already started.
+
+        A session this ingress holds a record of (``SessionClient.cached``) does not wait
+        for the read: its prompt is built from that record at once, and the check (the
+        read compared with it) gates the worker call in the router, so the read overlaps
+        the prompt's build, the router and the KV lookup's start. Once the read shows a
+        newer record, the prompt is built again from it (see ``_serve``)."""
         try:
             new_messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
         session_id = request.headers.get("x-session-id") or req.session_id
         if not session_id:
-            return self._chat_prompt_ids(new_messages), None
+            return self._chat_prompt_ids(new_messages), None, None
         if self._sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):
+            cached = self._sessions.cached(session_id)
+            if cached is not None:
+                try:
+                    prompt_ids, turn = self._session_prompt(req, session_id, new_messages, cached)
+                except APIError:
+                    pass  # an answer the store's copy must give: built from it below
+                else:
+                    return prompt_ids, turn, self._session_check(early_session, cached)
             record = await early_session
         else:
             record = await self._sessions.get(session_id)
+        return (*self._session_prompt(req, session_id, new_messages, record), None)
+
+    def _session_check(self, read: asyncio.Task, cached) -> asyncio.Future:
+        """Done when the store's record (``read``) is the one the prompt was built from;
+        raises ``_SessionMoved`` when the store's is newer (and the read's own error, 404
+        for a session deleted or expired meanwhile)."""
+
+        async def check() -> None:
+            record = await asyncio.shield(read)  # the caller may still need the read
+            if record.version != cached.version:
+                raise _SessionMoved(record)
+
+        task = asyncio.ensure_future(check())
+        # Retrieved here: a start that failed before the router awaited it leaves it alone.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    def _session_prompt(self, req: ChatCompletionRequest, session_id: str, new_messages: list[dict], record):
+        """Prompt ids and the pending turn of a session turn, on ``record``'s history."""
         built: list[list[int]] = []
 
         def count_tokens(msgs: list[dict]) -> int:
@@ -451,13 +501,12 @@ class Ingress:
 
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
-            calls: list[_Call] = []
             early_session = None
             try:
                 self._router.reject_if_full()
                 early_session = self._start_session_read(schema, request)
                 req = self._validate(schema, await self._read_json(request))
-                turn = None
+                turn = check = None
                 if req.n > self._config.router.max_queue_depth:
                     # Each choice takes a place in the router's queue.
                     raise InvalidRequestError(
@@ -471,36 +520,32 @@ class Ingress:
                             "n must be 1 in a session turn: one reply is appended to the session.",
                             param="n",
                         )
-                    prompt_ids, turn = await self._chat_prompt(req, request, early_session)
+                    prompt_ids, turn, check = await self._chat_prompt(req, request, early_session)
                 else:
                     prompt_ids = self._completion_prompt_ids(req)
-                gen_request = self._generation_request(req, prompt_ids)
-                # A non-streaming client sees nothing before the end, so the router may
-                # run it again if its worker dies mid-way (see Router._stream_with_retry).
-                gen_request.buffered = not req.stream
-                if turn is not None:
-                    gen_request.session_id = turn.session_id
-                    gen_request.session_continues = turn.expected_version > 0
-                    span.set_attribute("llm.session_id", turn.session_id)
-                gen_requests = self._choice_requests(req, gen_request)
-                calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]
-                for c in calls:
-                    c.streamed = bool(req.stream)
-                call = calls[0]
-                call.turn = turn
-                if turn is not None:
-                    call.output_ids = []
-                span.set_attribute("llm.request_id", call.request_id)
-                span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
-                span.set_attribute("llm.stream", req.stream)
-                span.set_attribute("llm.n", req.n)
-                deadline = call.started + self._config.limits.request_timeout_s
-                streams = [_LocalStream(self._router.generate(g)) for g in gen_requests]
-                # Wait for every choice's first delta before answering so that a rejection
-                # (429, 400 from the engine, 503) keeps its status code.
-                firsts = await self._each_choice([self._next(s, deadline) for s in streams], streams)
-                for c, first in zip(calls, firsts):
-                    c.on_delta(first)
+                started = time.monotonic()
+                try:
+                    calls, streams, firsts, deadline = await self._start(endpoint, req, span, prompt_ids, turn, check, started)
+                except Exception as e:
+                    if check is None:
+                        raise
+                    # Started on this ingress's record of the session: the store's record
+                    # decides. Its 404 stands, and so does any error of a turn whose
+                    # history was the store's; else the turn starts again on the store's.
+                    record = await early_session
+                    if record.version == turn.expected_version and not isinstance(e, _SessionMoved):
+                        raise
+                    check = None
+                    self._count_session_turn(span, "stale")
+                    logger.debug(
+                        "session %s: this ingress held version %d, the store %d; prompt built again",
+                        turn.session_id, turn.expected_version, record.version,
+                    )
+                    prompt_ids, turn = self._session_prompt(req, turn.session_id, turn.new_messages, record)
+                    calls, streams, firsts, deadline = await self._start(endpoint, req, span, prompt_ids, turn, None, started)
+                else:
+                    if turn is not None:
+                        self._count_session_turn(span, "hit" if check is not None else "miss")
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
                 err = to_api_error(e)
                 span.set_attribute("http.status_code", err.status_code)
@@ -513,9 +558,46 @@ class Ingress:
                 return StreamingResponse(
                     self._stream_body(req, calls, firsts, streams, deadline),
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Request-Id": call.request_id},
+                    headers={"Cache-Control": "no-cache", "X-Request-Id": calls[0].request_id},
                 )
             return await self._complete_body(req, calls, firsts, streams, deadline)
+
+    def _count_session_turn(self, span, result: str) -> None:
+        self._m.session_cache.inc(tags={"result": result})
+        span.set_attribute("llm.session_cache", result)
+
+    async def _start(self, endpoint: str, req, span, prompt_ids: list[int], turn, check, started: float):
+        """Hand the request's choices to the router and wait for each one's first delta
+        (so that a rejection keeps its status code). ``check``: what the router awaits
+        before the worker call (see ``_chat_prompt``). Returns the calls, their streams,
+        their first deltas and the deadline."""
+        gen_request = self._generation_request(req, prompt_ids)
+        # A non-streaming client sees nothing before the end, so the router may
+        # run it again if its worker dies mid-way (see Router._stream_with_retry).
+        gen_request.buffered = not req.stream
+        if turn is not None:
+            gen_request.session_id = turn.session_id
+            gen_request.session_continues = turn.expected_version > 0
+            span.set_attribute("llm.session_id", turn.session_id)
+        gen_requests = self._choice_requests(req, gen_request)
+        calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]
+        for c in calls:
+            c.streamed = bool(req.stream)
+            c.started = started
+        call = calls[0]
+        call.turn = turn
+        if turn is not None:
+            call.output_ids = []
+        span.set_attribute("llm.request_id", call.request_id)
+        span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
+        span.set_attribute("llm.stream", req.stream)
+        span.set_attribute("llm.n", req.n)
+        deadline = call.started + self._config.limits.request_timeout_s
+        streams = [_LocalStream(self._router.generate(g, gate=check)) for g in gen_requests]
+        firsts = await self._each_choice([self._next(s, deadline) for s in streams], streams)
+        for c, first in zip(calls, firsts):
+            c.on_delta(first)
+        return calls, streams, firsts, deadline
 
     async def _rest_of_choice(self, call: _Call, first: TokenDelta, stream, deadline: float) -> str:
         parts = [first.text]

@@ -14,6 +14,7 @@ import logging
 import re
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -148,6 +149,56 @@ def fit_history(
     return messages, num_tokens
 
 
+class RecordCache:
+    """The session records an ingress read or wrote last, newest last, at most
+    ``max_tokens`` tokens of history in all (a record counts its ``num_tokens``, at least
+    1). A record is a snapshot at its version: the store's copy at the same version is the
+    same, because every change of a session's history is a compare-and-set that moves the
+    version on, and ids are never reused."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._records: OrderedDict[str, object] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @staticmethod
+    def _size(record) -> int:
+        return max(1, int(record.num_tokens))
+
+    def get(self, session_id: str):
+        record = self._records.get(session_id)
+        if record is not None:
+            self._records.move_to_end(session_id)
+        return record
+
+    def put(self, record) -> None:
+        """Keep ``record`` unless the one kept is newer (answers may arrive out of order)."""
+        old = self._records.get(record.id)
+        if old is not None and old.version > record.version:
+            return
+        self.drop(record.id)
+        size = self._size(record)
+        if size > self.max_tokens:
+            return
+        self._records[record.id] = record
+        self._tokens += size
+        while self._tokens > self.max_tokens:
+            _, oldest = self._records.popitem(last=False)
+            self._tokens -= self._size(oldest)
+
+    def drop(self, session_id: str) -> None:
+        record = self._records.pop(session_id, None)
+        if record is not None:
+            self._tokens -= self._size(record)
+
+
 def replica_died(exc: BaseException) -> bool:
     """Whether ``exc`` (or a cause Ray wrapped it in) says the replica that took the call
     died or could not be reached, so the call may be made again on another one."""
@@ -172,6 +223,8 @@ class SessionClient:
         self._dp = dataplane
         self.config = config
         self.tenant = tenant
+        # What this client read or wrote last (see cached()); per client, so per tenant.
+        self._records = RecordCache(config.ingress_cache_tokens)
         self._m_retries = None
         try:
             import ray
@@ -221,7 +274,21 @@ class SessionClient:
         if self._m_retries is not None:
             self._m_retries.inc(tags={"op": op})
 
+    def cached(self, session_id: str):
+        """The last record of this session this client read or wrote, if it still holds
+        it; it may be behind the store's (another ingress replica appended a turn since),
+        so a caller checks it against a read before acting on it."""
+        return self._records.get(session_id)
+
+    def forget(self, session_id: str) -> None:
+        self._records.drop(session_id)
+
     async def create(self, ttl_s: Optional[int] = None):
+        record = await self._create(ttl_s)
+        self._records.put(record)
+        return record
+
+    async def _create(self, ttl_s: Optional[int]):
         ttl = ttl_s or self.config.cache_ttl_s
         # The id is made here so that the call can be routed to the id's shard.
         session_id = f"sess_{uuid.uuid4().hex}"
@@ -246,8 +313,10 @@ class SessionClient:
         check_session_id(session_id)
         record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
         if record is None:
+            self._records.drop(session_id)
             # Same answer for absent, expired and another tenant's: no existence leak.
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
+        self._records.put(record)
         return record
 
     async def append(self, turn: PendingTurn, messages: list[dict], context_tokens: int):
@@ -256,20 +325,27 @@ class SessionClient:
         sid = turn.session_id
         # A 409 here is a turn that raced this one: after a repeat of this very append the
         # data plane answers its success (same turn id), never a conflict.
-        return await self._call(
-            "append_turn",
-            sid,
-            self.tenant,
-            sid,
-            turn.expected_version,
-            messages,
-            context_tokens - turn.base_num_tokens,
-            turn_id=turn.turn_id,
-            shard_key=sid,
-        )
+        try:
+            record = await self._call(
+                "append_turn",
+                sid,
+                self.tenant,
+                sid,
+                turn.expected_version,
+                messages,
+                context_tokens - turn.base_num_tokens,
+                turn_id=turn.turn_id,
+                shard_key=sid,
+            )
+        except BaseException:
+            self._records.drop(sid)
+            raise
+        self._records.put(record)
+        return record
 
     async def delete(self, session_id: str) -> bool:
         check_session_id(session_id)
+        self._records.drop(session_id)
         retried: list = []
         deleted = await self._call(
             "delete_session", session_id, self.tenant, session_id, shard_key=session_id, retried=retried

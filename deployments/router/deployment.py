@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Optional
 
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
@@ -356,7 +356,12 @@ class Router:
         if self._admission.depth >= self._admission.max_depth:
             raise self._queue_full()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(
+        self, request: GenerationRequest, gate: Optional[Awaitable] = None
+    ) -> AsyncIterator[TokenDelta]:
+        """The request's deltas. ``gate``: awaited before the worker call, whose failure
+        fails the request before anything reached a worker (the ingress's check that the
+        session history it built the prompt from is the store's)."""
         deadline = time.monotonic() + self._config.limits.request_timeout_s
         if not self._admission.try_acquire():
             raise self._queue_full()
@@ -383,6 +388,8 @@ class Router:
                 request.trace_headers = telemetry.inject_context()
             if lookup is not None:
                 await lookup  # the request goes with the call's reference (bounded: 0.2 s)
+            if gate is not None:
+                await self._within_deadline(gate, deadline, request, "session")
             async with contextlib.aclosing(self._stream_with_retry(request, batch_key, deadline)) as deltas:
                 while True:
                     try:

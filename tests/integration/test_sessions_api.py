@@ -326,3 +326,80 @@ def test_history_over_context_is_400_naming_the_overflow(served_app):
     assert "over" in str(e.value) and str(max_len) in str(e.value)
     # The failed turn changed nothing.
     assert get_session(served_app, sid).json()["version"] == 0
+
+
+def session_turn_counts(served_app) -> dict[str, float]:
+    """``llm_session_turns`` from /metrics, by result (hit, stale, miss)."""
+    import re
+
+    counts: dict[str, float] = {}
+    for line in httpx.get(served_app.base_url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("ray_llm_session_turns") and not line.startswith("#"):
+            result = re.search(r'result="(\w+)"', line)
+            if result:
+                counts[result.group(1)] = counts.get(result.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def settled_session_turn_counts(served_app) -> dict[str, float]:
+    """The counts once two reads a few report intervals (1 s here) apart agree, so that
+    nothing an earlier test did is still on its way."""
+    last = session_turn_counts(served_app)
+    for _ in range(20):
+        time.sleep(2.5)
+        now = session_turn_counts(served_app)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"llm_session_turns never settled: {last}")
+
+
+# Engine-independent (the ingress alone decides where a turn's history comes from).
+@pytest.mark.parametrize("served_app", ["torch"], indirect=True)
+def test_turns_start_on_the_ingress_record_and_one_moved_on_elsewhere_uses_the_stores(served_app):
+    """The ingress keeps the record of each session it created, read or appended, and
+    starts a turn's prompt on it while the store's copy is read (hit). Here another writer
+    (as another ingress replica would be) appends a turn in between: the next turn must be
+    built on the store's history, not on the ingress's older record (which would end in a
+    409 at its commit, or in a reply to the wrong history), and counts as stale."""
+    from transformers import AutoTokenizer
+
+    from app.sessions import exact_prompt_ids
+    from ray import serve
+
+    dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
+    client = served_app.client()
+    before = settled_session_turn_counts(served_app)
+    sid = new_session(served_app)["id"]
+    turn(client, served_app.model_id, sid, "first question", max_tokens=6)
+    turn(client, served_app.model_id, sid, "second question", max_tokens=6)
+    elsewhere = [{"role": "user", "content": "asked elsewhere " * 6},
+                 {"role": "assistant", "content": "answered elsewhere " * 6}]
+    dataplane.append_turn.remote("default", sid, 2, elsewhere, 60, shard_key=sid).result(timeout_s=30)
+    r = turn(client, served_app.model_id, sid, "and back here", max_tokens=6)
+    stored = stored_record(served_app, sid)
+    assert stored.version == 4
+    assert [m["content"] for m in stored.messages[0::2]] == [
+        "first question", "second question", elsewhere[0]["content"], "and back here"
+    ]
+    assert stored.messages[-1]["content"] == r.choices[0].message.content
+    tokenizer = AutoTokenizer.from_pretrained(served_app.model_path)
+    prompt = exact_prompt_ids(tokenizer, stored.messages[:6] + [{"role": "user", "content": "and back here"}])
+    assert r.usage.prompt_tokens == len(prompt)
+    after = settled_session_turn_counts(served_app)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hit", "stale", "miss")}
+    assert delta == {"hit": 2, "stale": 1, "miss": 0}, (before, after)
+
+
+@pytest.mark.parametrize("served_app", ["torch"], indirect=True)
+def test_a_session_deleted_elsewhere_is_404_though_the_ingress_held_it(served_app):
+    from ray import serve
+
+    dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    turn(client, served_app.model_id, sid, "remember me", max_tokens=4)
+    assert dataplane.delete_session.remote("default", sid, shard_key=sid).result(timeout_s=30)
+    with pytest.raises(openai.NotFoundError):
+        turn(client, served_app.model_id, sid, "still there?", max_tokens=4)
+    assert get_session(served_app, sid).status_code == 404

@@ -120,3 +120,41 @@ async def test_a_request_within_its_deadline_is_untouched():
     deltas = await _consume(router)
     assert [d.finish_reason for d in deltas] == [None, None, "length"]
     assert not stream.cancelled
+
+
+class _Counting(_Worker):
+    def __init__(self, stream: _Stream):
+        super().__init__(stream)
+        self.calls = 0
+
+        def call(request, batch_key=None):
+            self.calls += 1
+            return self.stream
+
+        self.generate = _Method(call)
+
+
+@pytest.mark.asyncio
+async def test_the_gate_holds_the_worker_call_and_a_failed_gate_never_reaches_a_worker():
+    """The ingress's session check (``gate``): no worker call before it passes, none at
+    all when it fails, and its error is the request's."""
+    config = {"limits": {"request_timeout_s": 10}, "router": {}, "dataplane": {"enabled": False}}
+    worker = _Counting(_Stream(num_deltas=1, finish=True))
+    router = Router(worker, config)
+    gate = asyncio.get_running_loop().create_future()
+    consumer = asyncio.ensure_future(_collect(router.generate(_request(), gate=gate)))
+    await asyncio.sleep(0.2)
+    assert worker.calls == 0 and not consumer.done()
+    gate.set_result(None)
+    assert [d.finish_reason for d in await asyncio.wait_for(consumer, 5)] == ["length"]
+    assert worker.calls == 1
+
+    failed = asyncio.get_running_loop().create_future()
+    failed.set_exception(LookupError("the session moved on"))
+    with pytest.raises(LookupError):
+        await _collect(router.generate(_request(), gate=failed))
+    assert worker.calls == 1 and router.queue_depth() == 0
+
+
+async def _collect(gen) -> list[TokenDelta]:
+    return [d async for d in gen]

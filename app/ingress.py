@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import telemetry
+from app import serve_context, telemetry
 from app.config import AppConfig
 from app.errors import (
     APIError,
@@ -303,7 +303,9 @@ class Ingress:
         session_id = request.headers.get("x-session-id")
         if not session_id or self._sessions is None or schema is not ChatCompletionRequest:
             return None
-        task = asyncio.ensure_future(self._sessions.get(session_id))
+        # Its own Serve request id: the router's KV lookup for this request may be in
+        # flight beside it, to the same deployment (see app/serve_context.py).
+        task = serve_context.spawn(self._sessions.get(session_id))
         # Retrieved here, so a read that fails unawaited (the body was bad) is not logged
         # as a never-retrieved exception; an awaited one still raises to its caller.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -492,7 +494,9 @@ class Ingress:
             except BaseException:
                 streams[0].cancel()
                 raise
-        tasks = [asyncio.ensure_future(c) for c in coros]
+        # Each with its own Serve request id: the choices' calls to the workers (and to
+        # the data plane) are in flight side by side (see app/serve_context.py).
+        tasks = [serve_context.spawn(c) for c in coros]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:

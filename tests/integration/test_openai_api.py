@@ -105,7 +105,13 @@ def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     client = served_app.client()
     prompt = list(range(20, 40))
     kw = dict(model=served_app.model_id, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    started = time.monotonic()
     r = client.completions.create(n=3, seed=77, **kw)
+    # A liveness bound, not a speed check (this takes ~0.2 s): the choices' worker calls
+    # leave one request side by side, and with the request's Serve id on each, Serve's
+    # router mistook them for each other and left one waiting ~10 s per choice
+    # (app/serve_context.py).
+    assert time.monotonic() - started < 8, "an n=3 request stalled"
     assert [c.index for c in r.choices] == [0, 1, 2]
     singles = [client.completions.create(seed=77 + i, **kw).choices[0].text for i in range(3)]
     assert [c.text for c in r.choices] == singles

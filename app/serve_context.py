@@ -1,0 +1,43 @@
+"""Serve handle calls that run side by side within one request.
+
+A handle call made while a replica serves a request carries that request's internal id
+(``RequestMetadata.internal_request_id``), and Serve's router hands each replica it picks
+to the waiting call with that id (Ray 2.60, ``RequestRouter._fulfill_next_pending_request``).
+So two calls to one deployment in flight at once from one request are mistaken for each
+other: one of them is left waiting, here for ~10 s (a session read racing the KV lookup
+of the same request, both to the data plane). Ray's own broadcast gives each call a new
+id for the same reason (``Router.broadcast``). :func:`spawn` runs a coroutine as a task
+whose calls get an id of their own; the request's ``request_id`` (its log lines) stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+from typing import Coroutine
+
+logger = logging.getLogger("ray.serve")
+
+
+def own_call_context() -> contextvars.Context:
+    """A copy of the current context with a new Serve internal request id (the current
+    context unchanged outside a Serve request, or without Serve)."""
+    ctx = contextvars.copy_context()
+    try:
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+
+        current = serve_context._get_serve_request_context()
+        if current._internal_request_id:
+            fresh = dataclasses.replace(current, _internal_request_id=generate_request_id())
+            ctx.run(serve_context._serve_request_context.set, fresh)
+    except Exception as e:  # noqa: BLE001 - a Ray without these names: calls as they were
+        logger.debug("no separate Serve request id for a concurrent call: %r", e)
+    return ctx
+
+
+def spawn(coro: Coroutine) -> asyncio.Task:
+    """``coro`` as a task whose Serve handle calls carry an internal id of their own."""
+    return asyncio.get_running_loop().create_task(coro, context=own_call_context())

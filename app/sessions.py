@@ -179,10 +179,8 @@ class RecordCache:
         return record
 
     def put(self, record) -> None:
-        """Keep ``record`` unless the one kept is newer (answers may arrive out of order)."""
-        old = self._records.get(record.id)
-        if old is not None and old.version > record.version:
-            return
+        """Keep ``record`` in place of the one kept: the store's last answer wins, also one
+        at a lower version (a store that lost data), which a check then sees as it is."""
         self.drop(record.id)
         size = self._size(record)
         if size > self.max_tokens:
@@ -279,9 +277,6 @@ class SessionClient:
         it; it may be behind the store's (another ingress replica appended a turn since),
         so a caller checks it against a read before acting on it."""
         return self._records.get(session_id)
-
-    def forget(self, session_id: str) -> None:
-        self._records.drop(session_id)
 
     async def create(self, ttl_s: Optional[int] = None):
         record = await self._create(ttl_s)

@@ -361,7 +361,7 @@ def test_turns_start_on_the_ingress_record_and_one_moved_on_elsewhere_uses_the_s
     starts a turn's prompt on it while the store's copy is read (hit). Here another writer
     (as another ingress replica would be) appends a turn in between: the next turn must be
     built on the store's history, not on the ingress's older record (which would end in a
-    409 at its commit, or in a reply to the wrong history), and counts as stale."""
+    409 at its commit, or in a reply to the wrong history)."""
     from transformers import AutoTokenizer
 
     from app.sessions import exact_prompt_ids
@@ -388,7 +388,11 @@ def test_turns_start_on_the_ingress_record_and_one_moved_on_elsewhere_uses_the_s
     assert r.usage.prompt_tokens == len(prompt)
     after = settled_session_turn_counts(served_app)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hit", "stale", "miss")}
-    assert delta == {"hit": 2, "stale": 1, "miss": 0}, (before, after)
+    # The third turn is stale when the ingress built it before the store's read came
+    # back, and a hit on the store's record when the read came back first (it refreshes
+    # the ingress's record: under load the body arrives later than the read). Either
+    # way it was built on the store's history (checked above), and no turn waited.
+    assert delta in ({"hit": 2, "stale": 1, "miss": 0}, {"hit": 3, "stale": 0, "miss": 0}), (before, after)
 
 
 @pytest.mark.parametrize("served_app", ["torch"], indirect=True)

@@ -31,7 +31,7 @@ MODEL_ID = "tiny-llama"
 BLOCK = 16
 TARGET_PER_REPLICA = 4
 NUM_LOAD_CLIENTS = 10  # queue depth ≈ 10 > 4: asks for ceil(10 / 4) = 3, capped at 2
-NUM_SESSIONS = 4  # in-flight turns during the scale-down: depth 4 ≤ 4 → 1 replica
+NUM_SESSIONS = 4  # long turns in flight at once while idle: depth 4 ≤ 4 → 1 replica
 LOAD_MAX_TOKENS = 96
 # The reply re-tokenised grows ~1.5x in the history: the next turn must fit in 2048.
 LONG_MAX_TOKENS = 1000
@@ -171,12 +171,6 @@ def test_step_load_scales_up_then_idle_drains_and_scales_down(autoscale_app):
     worker = serve.get_deployment_handle("ComputeWorker", app_name=APP_NAME)
     dataplane = serve.get_deployment_handle("DataPlane", app_name=APP_NAME)
     tokenizer = AutoTokenizer.from_pretrained(str(get_model_path("tiny")))
-    sessions = []
-    for _ in range(NUM_SESSIONS):
-        r = httpx.post(f"{base_url}/v1/sessions", timeout=30)
-        assert r.status_code == 201, r.text
-        sessions.append(r.json()["id"])
-
     with Timeline() as timeline:
         timeline.wait(lambda: timeline.settled_at(1), 60, "one replica at start")
         started = time.monotonic()
@@ -205,28 +199,44 @@ def test_step_load_scales_up_then_idle_drains_and_scales_down(autoscale_app):
             for t in load_threads:
                 t.join(timeout=REQUEST_TIMEOUT_S)
 
-        # --- Idle, but for one long turn per session, in flight while the count drops:
-        # the replica that goes has to finish its turns and flush their KV exports.
+        # --- Idle, but for long turns, NUM_SESSIONS in flight at any time (each in a new
+        # session: one such turn fills most of the context) until the count drops: the
+        # replica that goes has turns to finish and their KV exports to flush. Turns keep
+        # starting until then, so that replica has some in flight whenever Serve picks it.
         idle_from = time.monotonic()
-        long_texts = {sid: _fresh_text(60) for sid in sessions}
+        stop_turns = threading.Event()
+        long_turns: list[tuple[str, str, dict]] = []  # (session id, text, result)
+
+        def session_client(i: int) -> None:
+            time.sleep(0.3 * i)  # one at a time, so placement sees each one's queue
+            while not stop_turns.is_set():
+                r = httpx.post(f"{base_url}/v1/sessions", timeout=30)
+                assert r.status_code == 201, r.text
+                sid, text = r.json()["id"], _fresh_text(60)
+                long_turns.append((sid, text, _turn(base_url, sid, text, LONG_MAX_TOKENS)))
+
         with ThreadPoolExecutor(NUM_SESSIONS) as pool:
-            futures = {}
-            for sid in sessions:
-                futures[sid] = pool.submit(_turn, base_url, sid, long_texts[sid], LONG_MAX_TOKENS)
-                time.sleep(0.3)  # one at a time, so placement sees each one's queue
-            timeline.wait(
-                lambda: timeline.running() == 1, SCALE_DOWN_TIMEOUT_S, "scale-down to 1 replica"
-            )
-            scaled_down_s = time.monotonic() - idle_from
-            long_results = {sid: f.result(timeout=REQUEST_TIMEOUT_S) for sid, f in futures.items()}
+            futures = [pool.submit(session_client, i) for i in range(NUM_SESSIONS)]
+            try:
+                timeline.wait(
+                    lambda: timeline.running() == 1, SCALE_DOWN_TIMEOUT_S, "scale-down to 1 replica"
+                )
+                scaled_down_s = time.monotonic() - idle_from
+            finally:
+                stop_turns.set()
+                for f in futures:
+                    f.result(timeout=REQUEST_TIMEOUT_S)
         timeline.wait(lambda: timeline.settled_at(1), SCALE_DOWN_TIMEOUT_S, "the stopping replica to exit")
         settled_s = time.monotonic() - idle_from
 
+    long_texts = {sid: text for sid, text, _ in long_turns}
+    long_results = {sid: r for sid, _, r in long_turns}
+    sessions = list(long_results)
     last_long_end = max(r["ended"] for r in long_results.values())
     print(
         f"\nautoscaling: 1->2 replicas {scaled_up_s:.1f}s after the load step; 2->1 "
         f"{scaled_down_s:.1f}s after going idle, settled {settled_s:.1f}s; "
-        f"{len(load_results)} load requests; long turns ended "
+        f"{len(load_results)} load requests; {len(long_turns)} long turns, the last ended "
         f"{last_long_end - idle_from:.1f}s after going idle"
     )
 

@@ -61,6 +61,25 @@ def test_span_splits_into_blocks_and_back():
         encode_kv_blocks(span, block_size=5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blocks_decode_bit_exact_into_a_span_with_room(dtype):
+    # As a worker gets them: read-only views of one packed buffer, payloads at odd
+    # offsets, decoded into a span that leads a longer buffer (room for the suffix).
+    from deployments.compute.engines.kv_buffer import empty_with_room, room_buffer
+    from deployments.dataplane.blocks import pack_blocks, unpack_blocks
+
+    span = rand_block(dtype, shape=(2, 2, 3, 12, 8), seed=7)
+    encoded = encode_kv_blocks(span, block_size=4)
+    data, lengths = pack_blocks([b"x"] + encoded)  # a 1-byte lead: odd offsets
+    views = [memoryview(v).toreadonly() for v in unpack_blocks(data, lengths)[1:]]
+    out = empty_with_room((2, 2, 3, 12, 8), 5, dtype=dtype)
+    out.fill_(0)
+    got = decode_kv_blocks(views, dtype=dtype, shape=SHAPE, out=out)
+    assert got is out and room_buffer(got).shape[3] == 17
+    same_width = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(same_width), span.view(same_width))
+
+
 def test_wrong_dtype_is_corrupt():
     data = encode_kv_block(rand_block(torch.bfloat16))
     with pytest.raises(CorruptBlockError, match="dtype"):

@@ -12,9 +12,9 @@ block size is a miss, never wrong output.
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from deployments.dataplane.blocks import (
@@ -41,6 +41,9 @@ LAYOUT = DEFAULT_LAYOUT  # "layers,kv,heads,tokens,head_dim"
 _NAME_TO_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_TO_NAME = {v: k for k, v in _NAME_TO_DTYPE.items()}
 _TOKENS_DIM = 3
+# Per element size, a torch and a numpy integer type of that width: the decode copies
+# blocks as raw elements of the model's dtype.
+_SAME_WIDTH_INT = {4: (torch.int32, np.int32), 2: (torch.int16, np.int16)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,21 +85,34 @@ def encode_kv_blocks(span: torch.Tensor, block_size: int) -> list[bytes]:
 def _checked_payload(
     data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int], verify: bool = True
 ) -> memoryview:
-    header, payload = decode_block(data, verify=verify)  # raises CorruptBlockError itself
-    expected_dtype = dtype_name(dtype)
-    if header.dtype != expected_dtype:
-        raise CorruptBlockError(f"block dtype {header.dtype!r}, model wants {expected_dtype!r}")
-    if tuple(header.shape) != tuple(shape):
-        raise CorruptBlockError(f"block shape {list(header.shape)}, model wants {list(shape)}")
-    if header.layout != LAYOUT:
-        raise CorruptBlockError(f"block layout {header.layout!r}, expected {LAYOUT!r}")
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    expected_bytes = numel * torch.empty((), dtype=dtype).element_size()
-    if len(payload) != expected_bytes:
-        raise CorruptBlockError(f"payload is {len(payload)} bytes, shape {list(shape)} needs {expected_bytes}")
-    return payload
+    return _Expected(dtype, shape).payload(data, verify)
+
+
+class _Expected:
+    """What a block of one model must be (dtype, shape, layout, payload size), worked out
+    once for all the blocks of a decode."""
+
+    __slots__ = ("dtype", "shape", "nbytes")
+
+    def __init__(self, dtype: torch.dtype, shape: Sequence[int]):
+        self.dtype = dtype_name(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        self.nbytes = numel * dtype.itemsize
+
+    def payload(self, data: bytes | memoryview, verify: bool = True) -> memoryview:
+        header, payload = decode_block(data, verify=verify)  # raises CorruptBlockError itself
+        if header.dtype != self.dtype:
+            raise CorruptBlockError(f"block dtype {header.dtype!r}, model wants {self.dtype!r}")
+        if header.shape != self.shape:
+            raise CorruptBlockError(f"block shape {list(header.shape)}, model wants {list(self.shape)}")
+        if header.layout != LAYOUT:
+            raise CorruptBlockError(f"block layout {header.layout!r}, expected {LAYOUT!r}")
+        if len(payload) != self.nbytes:
+            raise CorruptBlockError(f"payload is {len(payload)} bytes, shape {list(self.shape)} needs {self.nbytes}")
+        return payload
 
 
 def _as_tensor(payload: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -135,11 +151,15 @@ def decode_kv_blocks(
         raise ValueError(f"out is {out.dtype} {list(out.shape)} on {out.device}, need {dtype} {span_shape} on cpu")
     else:
         span = out
-    with warnings.catch_warnings():
-        # A tensor over a read-only buffer: only read here, by the copy into the span.
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        for i, data in enumerate(blocks):
-            payload = _checked_payload(data, dtype, shape, verify)
-            block = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
-            span.narrow(_TOKENS_DIM, i * block_size, block_size).copy_(block)
+    # The checks are worked out once; each payload is copied by numpy into its place in
+    # the span, through integer views of the same width (numpy has no bfloat16; the copy
+    # is bit-exact either way), with less per-call cost than a torch frombuffer and copy_
+    # a block: 1.1-1.2x (float32) and 1.3x (bfloat16) for 119 blocks of 256 KiB on 2
+    # cores, `python -m loadtests.kv_decode`.
+    same_width = _SAME_WIDTH_INT[dtype.itemsize]
+    dst = span.view(same_width[0]).unflatten(_TOKENS_DIM, (len(blocks), block_size)).numpy()
+    expected = _Expected(dtype, shape)
+    for i, data in enumerate(blocks):
+        payload = expected.payload(data, verify)
+        dst[:, :, :, i] = np.frombuffer(payload, dtype=same_width[1]).reshape(shape)
     return span

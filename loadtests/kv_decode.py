@@ -1,0 +1,81 @@
+"""The worker's decode of fetched KV blocks (``kv_codec.decode_kv_blocks``: check each
+header against what was worked out once, copy each payload with numpy into its place in
+one span with room behind it) against the form it had before (each block's checks set up
+anew, one ``torch.frombuffer(...).copy_`` a block), alternated call by call in one process.
+
+    python -m loadtests.kv_decode [--blocks 119] [--dtype float32] [--calls 40]
+
+The blocks lie in one packed buffer, as a worker gets them from the data plane, and have
+the shape of one block of the ``small`` preset (4 layers, 8 KV heads, 16 tokens, head_dim
+64: 256 KiB in float32); 119 of them are the ~1.9k-token prefix of a multi-turn session's
+eighth turn. Run it with the glibc settings of a replica
+(``serve_runtime.keep_freed_memory``: ``MALLOC_MMAP_THRESHOLD_=1073741824
+MALLOC_TRIM_THRESHOLD_=4294967296``), or every fresh span also pays its page faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _torch_per_block(blocks, *, dtype, shape, out):
+    """The form before: each block's checks set up anew (its expected size from a
+    scalar tensor), then one frombuffer and copy_ a block."""
+    import warnings
+
+    import torch
+
+    from deployments.compute.engines.kv_codec import _Expected
+
+    block_size = shape[3]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for i, data in enumerate(blocks):
+            torch.empty((), dtype=dtype).element_size()
+            payload = _Expected(dtype, shape).payload(data, False)
+            block = torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
+            out.narrow(3, i * block_size, block_size).copy_(block)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=119)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--calls", type=int, default=40)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from deployments.compute.engines.kv_buffer import empty_with_room
+    from deployments.compute.engines.kv_codec import decode_kv_blocks, encode_kv_blocks
+    from deployments.dataplane.blocks import pack_blocks, unpack_blocks
+
+    torch.set_num_threads(1)  # as the engines run here (engine.num_threads)
+    dtype = getattr(torch, args.dtype)
+    shape = (4, 2, 8, 16, 64)
+    span_shape = (4, 2, 8, 16 * args.blocks, 64)
+    print(f"[kv-decode] encoding {args.blocks} blocks of {list(shape)} {args.dtype}", file=sys.stderr, flush=True)
+    source = torch.randn(span_shape).to(dtype)
+    blocks = unpack_blocks(*pack_blocks(encode_kv_blocks(source, 16)))
+    same_width = torch.int32 if dtype.itemsize == 4 else torch.int16
+    times = {"decode_kv_blocks": [], "torch_per_block": []}
+    for call in range(args.calls):
+        for name, fn in (("decode_kv_blocks", decode_kv_blocks), ("torch_per_block", _torch_per_block)):
+            out = empty_with_room(list(span_shape), 256, dtype=dtype)
+            started = time.perf_counter()
+            got = fn(blocks, dtype=dtype, shape=shape, out=out)
+            times[name].append((time.perf_counter() - started) * 1000)
+            if call == 0:
+                assert torch.equal(got.view(same_width), source.view(same_width)), name
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        print(f"{name:17s} median {medians[name]:.2f} ms, min {min(ts):.2f} ms ({args.calls} calls)")
+    print(f"torch_per_block / decode_kv_blocks: {medians['torch_per_block'] / medians['decode_kv_blocks']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

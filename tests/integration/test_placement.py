@@ -36,26 +36,21 @@ NUM_SESSIONS = 4
 NUM_TURNS = 4
 
 
+def _tiny_app(redis_url: str, http_port: int, name: str, prefix: str, replicas: int, **overrides):
+    args = app_args(get_model_path("tiny"), redis_url, compute={"num_replicas": replicas, "num_cpus": 0.5}, **overrides)
+    return deployed_app(args, name, prefix, http_port)
+
+
 @pytest.fixture(scope="module")
 def placement_app(ray_cluster, redis_server, http_port):
-    args = app_args(
-        get_model_path("tiny"),
-        redis_server.url,
-        compute={"num_replicas": 2, "num_cpus": 0.5},
-    )
-    with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
+    with _tiny_app(redis_server.url, http_port, APP_NAME, ROUTE_PREFIX, 2) as base_url:
         yield base_url
 
 
 @pytest.fixture(scope="module")
 def deadline_app(ray_cluster, redis_server, http_port):
-    args = app_args(
-        get_model_path("tiny"),
-        redis_server.url,
-        compute={"num_replicas": 1, "num_cpus": 0.5},
-        limits={"request_timeout_s": TIMEOUT_S},
-    )
-    with deployed_app(args, DEADLINE_APP, DEADLINE_PREFIX, http_port) as base_url:
+    limits = {"request_timeout_s": TIMEOUT_S}
+    with _tiny_app(redis_server.url, http_port, DEADLINE_APP, DEADLINE_PREFIX, 1, limits=limits) as base_url:
         yield base_url
 
 

@@ -143,6 +143,7 @@ def test_request_past_its_deadline_gets_504_and_is_aborted(deadline_app):
     while True:
         running = placement_bench.replica_stats(DEADLINE_APP)[replica]["num_running"]
         if not running:
+            print(f"no longer running {time.monotonic() - answered:.2f}s after the 504")
             break
         assert time.monotonic() < deadline, f"still running {time.monotonic() - answered:.2f}s after the 504"
         time.sleep(0.05)

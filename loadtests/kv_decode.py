@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     import torch
 
     from deployments.compute.engines.kv_buffer import empty_with_room
-    from deployments.compute.engines.kv_codec import decode_kv_blocks, encode_kv_blocks
+    from deployments.compute.engines.kv_codec import _SAME_WIDTH_INT, decode_kv_blocks, encode_kv_blocks
     from deployments.dataplane.blocks import pack_blocks, unpack_blocks
 
     torch.set_num_threads(1)  # as the engines run here (engine.num_threads)
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     print(f"[kv-decode] encoding {args.blocks} blocks of {list(shape)} {args.dtype}", file=sys.stderr, flush=True)
     source = torch.randn(span_shape).to(dtype)
     blocks = unpack_blocks(*pack_blocks(encode_kv_blocks(source, 16)))
-    same_width = torch.int32 if dtype.itemsize == 4 else torch.int16
+    same_width = _SAME_WIDTH_INT[dtype.itemsize][0]
     times = {"decode_kv_blocks": [], "torch_per_block": []}
     for call in range(args.calls):
         for name, fn in (("decode_kv_blocks", decode_kv_blocks), ("torch_per_block", _torch_per_block)):

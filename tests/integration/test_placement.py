@@ -54,8 +54,8 @@ def deadline_app(ray_cluster, redis_server, http_port):
         yield base_url
 
 
-def replica_stats() -> dict[str, dict]:
-    return placement_bench.replica_stats(APP_NAME)
+def replica_stats(app: str = APP_NAME) -> dict[str, dict]:
+    return placement_bench.replica_stats(app)
 
 
 def wait_for_replicas(n: int) -> dict[str, dict]:
@@ -111,14 +111,14 @@ def test_request_past_its_deadline_gets_504_and_is_aborted(deadline_app):
         warm = {**body, "max_tokens": 4}
         codes = [client.post("/v1/completions", json=warm).status_code for _ in range(3)]
         assert codes[-1] == 200, codes
-    before = placement_bench.replica_stats(DEADLINE_APP)[replica]["num_requests"]
+    before = replica_stats(DEADLINE_APP)[replica]["num_requests"]
     seen_running = threading.Event()
     answered_event = threading.Event()
 
     def watch() -> None:
         # Whether the sequence reached the engine before the 504 (not cut in the queue).
         while not answered_event.is_set():
-            if placement_bench.replica_stats(DEADLINE_APP)[replica]["num_running"]:
+            if replica_stats(DEADLINE_APP)[replica]["num_running"]:
                 seen_running.set()
                 return
             time.sleep(0.02)
@@ -135,13 +135,13 @@ def test_request_past_its_deadline_gets_504_and_is_aborted(deadline_app):
     error = r.json()["error"]
     assert error["type"] == "timeout" and "longer" in error["message"]
     assert TIMEOUT_S - 0.1 <= answered - started < TIMEOUT_S + 2.0
-    assert placement_bench.replica_stats(DEADLINE_APP)[replica]["num_requests"] == before + 1
+    assert replica_stats(DEADLINE_APP)[replica]["num_requests"] == before + 1
     assert seen_running.is_set(), "the request was never running in the engine before its 504"
     # The sequence was aborted: the engine stops running it well before its ~1400 tokens
     # left could have been decoded (0.9 s at the fastest rate seen).
     deadline = answered + 0.6
     while True:
-        running = placement_bench.replica_stats(DEADLINE_APP)[replica]["num_running"]
+        running = replica_stats(DEADLINE_APP)[replica]["num_running"]
         if not running:
             print(f"no longer running {time.monotonic() - answered:.2f}s after the 504")
             break

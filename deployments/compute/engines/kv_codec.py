@@ -82,12 +82,6 @@ def encode_kv_blocks(span: torch.Tensor, block_size: int) -> list[bytes]:
     ]
 
 
-def _checked_payload(
-    data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int], verify: bool = True
-) -> memoryview:
-    return _Expected(dtype, shape).payload(data, verify)
-
-
 class _Expected:
     """What a block of one model must be (dtype, shape, layout, payload size), worked out
     once for all the blocks of a decode."""
@@ -123,7 +117,7 @@ def _as_tensor(payload: memoryview, dtype: torch.dtype, shape: Sequence[int]) ->
 def decode_kv_block(data: bytes | memoryview, *, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """Stored bytes → one block tensor (on CPU). Raises CorruptBlockError if the bytes are
     damaged or are not a block of this ``dtype`` and ``shape``."""
-    return _as_tensor(_checked_payload(data, dtype, shape), dtype, shape)
+    return _as_tensor(_Expected(dtype, shape).payload(data), dtype, shape)
 
 
 def decode_kv_blocks(

@@ -181,6 +181,9 @@ class ComputeWorker:
         )
         async for _ in self._engine.generate(request):
             pass
+        # It ran while the application's other replicas started on the same cores: its
+        # timings would mislead the engine's fetch-or-recompute decision.
+        self._engine.forget_measurements()
 
     async def generate(
         self, request: GenerationRequest, batch_key: Optional[str] = None

@@ -4,6 +4,7 @@ prefills only its new suffix, store failures are misses, and hits mix with misse
 running batch."""
 
 import asyncio
+import threading
 
 import pytest
 import pytest_asyncio
@@ -11,7 +12,7 @@ import torch
 
 from deployments.compute.engines.kv import block_hashes
 from deployments.compute.engines.kv_codec import decode_kv_blocks
-from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, SamplingParams
 from deployments.compute.engines.torch_engine import TorchEngine
 from tests.fixtures.kv import DictKVConnector
 
@@ -324,6 +325,79 @@ async def test_recomputing_a_slow_tier_still_re_measures_it_now_and_then(engine,
     # Skipped in a row up to the limit, then one fetch to measure the tier again.
     assert after.fetch_skipped - before.fetch_skipped == _EXPLORE_EVERY_SKIPS
     assert after.prefix_hit_tokens > before.prefix_hit_tokens
+
+
+@pytest.mark.asyncio
+async def test_a_cold_warm_up_is_forgotten_and_stored_prefixes_are_imported_again(engine, store, monkeypatch):
+    """The worker's warm-up generation runs while the application's other replicas start:
+    its short prefill was measured at 0.84 s there. With that sample least squares fits
+    0 s per token, and the engine recomputed stored prefixes (turns 2-6 of a session in
+    ``loadtests.multiturn``). The worker calls ``forget_measurements`` after its warm-up."""
+    import time as _time
+
+    forward, cold = engine.model.forward, [True]
+
+    def cold_forward(*args, **kwargs):
+        if cold[0]:
+            cold[0] = False
+            _time.sleep(0.5)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", cold_forward)
+    await collect(engine, make_request("warm-up", list(range(10, 10 + 16)), max_tokens=2))  # short and slow
+    ids = encode(engine, PROMPTS[0])
+    assert len(ids) > 2 * 16
+    await run_and_export(engine, make_request("prime-cold", ids))  # longer, and fast
+    assert engine.prefill_tokens_per_s() is None  # the fit: 0 s per token
+    store.bandwidth = 1e12
+    before = engine.kv_stats()
+    assert await collect(engine, make_request("skipped-cold", ids)) == await collect(engine, make_request("again", ids))
+    assert engine.kv_stats().fetch_skipped == before.fetch_skipped + 2
+    assert engine.kv_stats().prefix_hit_tokens == before.prefix_hit_tokens
+
+    engine.forget_measurements()
+    assert engine.prefill_fixed_seconds() is None and engine.import_bytes_per_s("L2") is None
+    before = engine.kv_stats()
+    await collect(engine, make_request("imported", ids))
+    after = engine.kv_stats()
+    assert after.fetch_skipped == before.fetch_skipped
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == (len(ids) - 1) // BLOCK * BLOCK
+    # Measured afresh from that import on: recomputing is not free.
+    assert engine.prefill_tokens_per_s() is not None
+
+
+@pytest.mark.asyncio
+async def test_start_runs_a_forward_pass_that_nothing_counts(tiny_model_path, monkeypatch):
+    """start() pays a fresh process's first-use costs with a throwaway prefill and decode
+    step on the engine's thread (a cold 32-token prefill took 4x a warm one on the small
+    model); no counter and no measurement sees it, and a failure there fails start()."""
+    calls = []
+    real = TorchEngine._warm_kernels
+
+    def counted(self):
+        calls.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(TorchEngine, "_warm_kernels", counted)
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=1)
+    await eng.start()
+    try:
+        assert calls == ["torch-engine-loop"]
+        assert eng.stats().num_steps == 0 and eng.stats().num_generated_tokens == 0
+        assert eng.prefill_fixed_seconds() is None and eng.kv_stats().prefilled_tokens == 0
+        assert len(await collect(eng, make_request("after-warm", [5, 6, 7], max_tokens=3))) == 3
+    finally:
+        await eng.shutdown()
+
+    def broken(self):
+        raise RuntimeError("no kernel for this machine")
+
+    monkeypatch.setattr(TorchEngine, "_warm_kernels", broken)
+    failing = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=1)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        await failing.start()
+    with pytest.raises(EngineDeadError):
+        await failing.check_health()
 
 
 @pytest.mark.asyncio

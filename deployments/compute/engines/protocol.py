@@ -176,3 +176,8 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop serving and release resources; in-flight requests end with an error."""
+
+    def forget_measurements(self) -> None:
+        """Drop what the engine measured of its own speed so far; the worker calls it
+        after its warm-up generation, which is no guide to the speed of serving. Engines
+        that measure nothing need not override it."""

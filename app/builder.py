@@ -36,6 +36,9 @@ MEMORY_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
 }
+# And for a torch worker that prefaults its heap (``serve_runtime.prefault_heap_bytes``,
+# app/host_memory.py): every thread on the one arena whose freed memory the prefault left.
+ONE_ARENA_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
 # Read by Serve's HTTP proxy, which the Ray cluster starts (not the application), so it
@@ -90,13 +93,16 @@ def use_serve_process_env(ingress: str = "serve-proxy") -> None:
         os.environ.setdefault(name, value)
 
 
-def with_serve_runtime(deployment, config: AppConfig):
+def with_serve_runtime(deployment, config: AppConfig, *, heap_prefault: bool = False):
     """``deployment`` with THROUGHPUT_ENV (``serve_runtime.throughput_optimized``) and
-    MEMORY_ENV (``serve_runtime.keep_freed_memory``) added to its replicas' runtime_env;
-    variables it already sets win."""
+    MEMORY_ENV (``serve_runtime.keep_freed_memory``) added to its replicas' runtime_env,
+    and ONE_ARENA_ENV for ``heap_prefault`` (a replica that prefaults its heap, when
+    ``serve_runtime.prefault_heap_bytes`` asks for it too); variables it already sets win."""
+    rt = config.serve_runtime
     env = {
-        **(THROUGHPUT_ENV if config.serve_runtime.throughput_optimized else {}),
-        **(MEMORY_ENV if config.serve_runtime.keep_freed_memory else {}),
+        **(THROUGHPUT_ENV if rt.throughput_optimized else {}),
+        **(MEMORY_ENV if rt.keep_freed_memory else {}),
+        **(ONE_ARENA_ENV if heap_prefault and rt.keep_freed_memory and rt.prefault_heap_bytes else {}),
     }
     if not env:
         return deployment
@@ -128,7 +134,8 @@ def build_app(args: dict | None = None) -> Application:
         from deployments.dataplane.deployment import dataplane_deployment
 
         dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(payload)
-    worker = with_serve_runtime(worker_deployment(resolved), resolved).bind(payload, dataplane)
+    torch_worker = resolved.engine.name == "torch"
+    worker = with_serve_runtime(worker_deployment(resolved), resolved, heap_prefault=torch_worker).bind(payload, dataplane)
     # The Router is not a deployment: each Ingress replica runs one in-process (see
     # docs/ARCHITECTURE.md), so tokens cross one Serve hop, worker → ingress.
     return with_serve_runtime(ingress_deployment(resolved), resolved).bind(worker, payload, dataplane)

@@ -515,6 +515,17 @@ class ServeRuntimeConfig(_Strict):
         "container); 0 turns it off. Cover the data plane's L2 on the node (replicas x "
         "l2_capacity_bytes).",
     )
+    prefault_heap_bytes: int = Field(
+        default=512 << 20,
+        ge=0,
+        le=3 << 30,
+        description="Bytes of malloc heap each torch ComputeWorker touches at start and "
+        "frees again (app/host_memory.py), with keep_freed_memory on: its KV buffers are "
+        "then carved from mapped pages instead of faulting in new ones whenever a context "
+        "outgrows every one before it. Resident memory grows by that much at start (at "
+        "most a quarter of the memory available); the worker runs on one malloc arena "
+        "(MALLOC_ARENA_MAX=1) for it. 0 turns it off.",
+    )
 
 
 class AppConfig(_Strict):

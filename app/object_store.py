@@ -156,21 +156,26 @@ def _map_store() -> None:
 class Prefault:
     """:func:`prefault_object_store` running in a daemon thread, so that a replica serves
     meanwhile (the store's allocator fills the low addresses first, which the prefault
-    reaches first), at most half of one core. ``bytes_done`` grows as it goes."""
+    reaches first), at most half of one core. ``bytes_done`` grows as it goes. Subclasses
+    prefault something else (``_work``) under their own thread and gauge names."""
+
+    THREAD_NAME = "object-store-prefault"
+    GAUGE = ("llm_object_store_prefaulted_bytes", "Bytes of the node's object store this replica has mapped ahead of use.")
 
     def __init__(self, max_bytes: int, who: str = ""):
         self.bytes_done = 0
         self.finished = threading.Event()
         self._who = who
         self._gauge = None
-        self._thread = threading.Thread(
-            target=self._run, args=(max_bytes,), name="object-store-prefault", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(max_bytes,), name=self.THREAD_NAME, daemon=True)
         self._thread.start()
+
+    def _work(self, max_bytes: int) -> None:
+        prefault_object_store(max_bytes, who=self._who, progress=self._progress, duty=BACKGROUND_DUTY)
 
     def _run(self, max_bytes: int) -> None:
         try:
-            prefault_object_store(max_bytes, who=self._who, progress=self._progress, duty=BACKGROUND_DUTY)
+            self._work(max_bytes)
         finally:
             self.finished.set()
 
@@ -180,14 +185,10 @@ class Prefault:
             if self._gauge is None:
                 from ray.util import metrics
 
-                self._gauge = metrics.Gauge(
-                    "llm_object_store_prefaulted_bytes",
-                    "Bytes of the node's object store this replica has mapped ahead of use.",
-                    tag_keys=("component",),
-                )
+                self._gauge = metrics.Gauge(*self.GAUGE, tag_keys=("component",))
             self._gauge.set(done, tags={"component": self._who or "process"})
         except Exception:  # noqa: BLE001 - a metric only
-            logger.debug("object store: prefault metric not set", exc_info=True)
+            logger.debug("%s: metric not set", self.THREAD_NAME, exc_info=True)
 
 
 def prefault_object_store(

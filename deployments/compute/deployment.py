@@ -19,6 +19,7 @@ from ray.util import metrics
 
 from app import telemetry
 from app.config import AppConfig
+from app.host_memory import HeapPrefault
 from app.object_store import Prefault
 from deployments.compute.engines import create_engine
 from deployments.compute.engines.kv import Ewma
@@ -83,6 +84,12 @@ class ComputeWorker:
             # object store (vLLM's connector reads Redis): map its pages (in a thread, from
             # now on), not a fault per 4 KiB of every block.
             self._prefault = Prefault(self._config.serve_runtime.prefault_object_store_bytes, who="ComputeWorker")
+        self._heap_prefault = None
+        rt = self._config.serve_runtime
+        if self._config.engine.name == "torch" and rt.keep_freed_memory and rt.prefault_heap_bytes:
+            # KV buffers outgrowing every one before them fault in new pages (in a thread,
+            # from now on; app/host_memory.py).
+            self._heap_prefault = HeapPrefault(rt.prefault_heap_bytes, who="ComputeWorker")
         await self._engine.start()
         if self._config.engine.warmup:
             await self._warm_up()

@@ -5,16 +5,17 @@ cache) are fresh allocations of tens of MiB. With ``serve_runtime.keep_freed_mem
 glibc keeps what is freed (``app/builder.py:MEMORY_ENV``), so a buffer is cheap when one
 as large was freed before; but every buffer larger than any before grows the heap, and
 each new 4 KiB page faults on first touch. A session whose context grows turn after turn
-meets that on every other turn: in ``loadtests.multiturn`` the decode of a fetched prefix
+meets that on many of its turns: in ``loadtests.multiturn`` the decode of a fetched prefix
 took 4-8 ms without faults and 43-330 ms with them (3.3k-7.7k faults, 31-43 µs each on
 this VM at the time; ~3 µs on a quiet one).
 
 :func:`prefault_heap` touches ``max_bytes`` of new heap pages once, at start, and frees
 them: they stay in the heap, mapped, and later buffers are carved from them. That needs
-all threads on one malloc arena (``MALLOC_ARENA_MAX=1``, part of ``MEMORY_ENV``): glibc
-otherwise gives each thread its own arena, and what one thread frees serves only its own
-arena's threads (and a thread arena's heap cannot hold a block over 64 MiB at all: such a
-block is mmap'd, faulted in, and unmapped again each time).
+all threads on one malloc arena (``MALLOC_ARENA_MAX=1``, ``app/builder.py:ONE_ARENA_ENV``):
+glibc otherwise gives threads arenas of their own, whose freed memory serves only them (a
+40 or 80 MiB buffer allocated twice, each time on a new thread, faulted in every page both
+times; on one arena the second time faulted none). The engine decodes fetched prefixes on
+``asyncio.to_thread``'s threads and allocates caches on its loop thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from app.object_store import AVAILABLE_SHARE, BACKGROUND_DUTY, Prefault, available_memory
+from app.object_store import AVAILABLE_SHARE, Prefault, available_memory
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,13 +53,11 @@ def prefault_heap(
     *,
     who: str = "",
     progress: Optional[Callable[[int], None]] = None,
-    duty: float = 1.0,
 ) -> int:
     """Grow the malloc heap by ``max_bytes`` (at most a quarter of the memory available)
     with every page touched, then free it. Returns the bytes touched (0 when this process's
-    malloc would not keep them, see :func:`heap_keeps_freed_memory`). ``duty`` < 1 sleeps
-    between 64 MiB chunks so that the work takes at most that share of one core. Never
-    raises."""
+    malloc would not keep them, see :func:`heap_keeps_freed_memory`); ``progress`` gets
+    the running total after each 64 MiB. Never raises."""
     if max_bytes <= 0:
         return 0
     if not heap_keeps_freed_memory(max_bytes):
@@ -79,7 +78,6 @@ def prefault_heap(
         libc.memset.restype, libc.memset.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
         try:
             while done < budget:
-                chunk_started = time.perf_counter()
                 size = min(_CHUNK, budget - done)
                 addr = libc.malloc(size)
                 if not addr:
@@ -90,8 +88,6 @@ def prefault_heap(
                 done += size
                 if progress is not None:
                     progress(done)
-                if duty < 1.0 and done < budget:
-                    time.sleep((time.perf_counter() - chunk_started) * (1.0 / duty - 1.0))
         finally:
             for addr in held:
                 libc.free(addr)  # into the heap, which keeps it
@@ -104,10 +100,13 @@ def prefault_heap(
 
 
 class HeapPrefault(Prefault):
-    """:func:`prefault_heap` in a daemon thread, at most half of one core."""
+    """:func:`prefault_heap` in a daemon thread, at full speed: the worker waits for it
+    (``finished``) before it reports ready. Beside traffic it slowed what it should speed
+    up: a 7-block prefix decode took 17-40 ms while it ran (on one arena, the heap's growth
+    waits for the faults under way), 1-2 ms otherwise."""
 
     THREAD_NAME = "heap-prefault"
     GAUGE = ("llm_heap_prefaulted_bytes", "Bytes of malloc heap this replica touched ahead of use.")
 
     def _work(self, max_bytes: int) -> None:
-        prefault_heap(max_bytes, who=self._who, progress=self._progress, duty=BACKGROUND_DUTY)
+        prefault_heap(max_bytes, who=self._who, progress=self._progress)

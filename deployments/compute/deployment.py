@@ -87,12 +87,16 @@ class ComputeWorker:
         self._heap_prefault = None
         rt = self._config.serve_runtime
         if self._config.engine.name == "torch" and rt.keep_freed_memory and rt.prefault_heap_bytes:
-            # KV buffers outgrowing every one before them fault in new pages (in a thread,
-            # from now on; app/host_memory.py).
+            # KV buffers outgrowing every one before them fault in new pages (in a thread
+            # beside the engine's start; app/host_memory.py).
             self._heap_prefault = HeapPrefault(rt.prefault_heap_bytes, who="ComputeWorker")
         await self._engine.start()
         if self._config.engine.warmup:
             await self._warm_up()
+        if self._heap_prefault is not None:
+            # Done before the first request: beside traffic it slows the very buffers it
+            # is for (app/host_memory.py:HeapPrefault).
+            await asyncio.to_thread(self._heap_prefault.finished.wait)
         self._init_metrics()
         logger.info(
             "ComputeWorker ready: engine=%s model=%s in %.1fs",

@@ -12,6 +12,7 @@ from app import cli
 from app.builder import (
     HAPROXY_ENV,
     MEMORY_ENV,
+    ONE_ARENA_ENV,
     SERVE_PROCESS_ENV,
     THROUGHPUT_ENV,
     use_serve_process_env,
@@ -43,6 +44,16 @@ def test_each_setting_adds_only_its_variables():
         {"serve_runtime": {"throughput_optimized": False, "keep_freed_memory": False}}
     )
     assert with_serve_runtime(Replica, neither) is Replica
+
+
+def test_only_a_replica_that_prefaults_its_heap_runs_on_one_malloc_arena():
+    config = AppConfig()
+    assert "MALLOC_ARENA_MAX" not in env_of(with_serve_runtime(Replica, config))
+    env = env_of(with_serve_runtime(Replica, config, heap_prefault=True))
+    assert env["MALLOC_ARENA_MAX"] == ONE_ARENA_ENV["MALLOC_ARENA_MAX"] == "1"
+    for off in ({"prefault_heap_bytes": 0}, {"keep_freed_memory": False}):
+        cfg = AppConfig.model_validate({"serve_runtime": off})
+        assert "MALLOC_ARENA_MAX" not in env_of(with_serve_runtime(Replica, cfg, heap_prefault=True))
 
 
 def test_the_ingress_mode_sets_the_process_env_and_values_already_set_win(monkeypatch):

@@ -66,6 +66,8 @@ def app_args(
     l1: bool = False,
     keep_freed_memory: bool = True,
     kv_redis_url: Optional[str] = None,
+    prefault_heap_bytes: Optional[int] = None,
+    log_level: str = "INFO",
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
     if not l1:
@@ -83,7 +85,9 @@ def app_args(
             "redis": {"url": redis_url},
             **({"kv_redis": {"url": kv_redis_url}} if kv_redis_url else {}),
         },
-        "serve_runtime": {"keep_freed_memory": keep_freed_memory},
+        "serve_runtime": {"keep_freed_memory": keep_freed_memory}
+        | ({} if prefault_heap_bytes is None else {"prefault_heap_bytes": prefault_heap_bytes}),
+        "telemetry": {"log_level": log_level},
     }
 
 
@@ -169,6 +173,15 @@ def main(argv=None) -> int:
         "--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
     )
+    p.add_argument(
+        "--prefault-heap-bytes", type=int, default=None,
+        help="serve_runtime.prefault_heap_bytes of the torch worker (default: the config's; 0 turns it off)",
+    )
+    p.add_argument(
+        "--log-level", default="INFO",
+        help="the replicas' log level; DEBUG logs each prefix fetch's lookup, load and decode "
+        "times in the worker's replica log (/tmp/ray/session_latest/logs/serve/)",
+    )
     add_kv_redis_option(p)
     add_ingress_option(p)
     p.add_argument("--out", default="loadtests/results/multiturn.json")
@@ -204,7 +217,8 @@ def main(argv=None) -> int:
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
                     build_app(app_args(
-                        model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url
+                        model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
+                        args.prefault_heap_bytes, args.log_level,
                     )),
                     name="bench",
                     route_prefix="/",

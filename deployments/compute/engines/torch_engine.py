@@ -649,8 +649,8 @@ class TorchEngine(Engine):
         a fresh process's first forward pass pays one-time costs (OpenMP threads, oneDNN
         primitives, the allocator's first growth; on the small model a 32-token prefill took
         64 ms cold and 16 ms warm). The first request should not pay them, and the prefill
-        time model (``_account_prefill``) must not learn them: one such sample had it fit
-        0 s per token, and the engine recomputed stored prefixes instead of importing them."""
+        time model (``_account_prefill``) must not learn them: one slow short prefill makes
+        its least-squares fit 0 s per token (see ``forget_measurements``)."""
         n = WARM_UP_TOKENS
         ids = (torch.arange(n, device=self.device) % self.config.vocab_size).unsqueeze(0)
         cache = growable_cache(self._kv_block_shape[0])

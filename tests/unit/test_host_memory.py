@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from app.host_memory import heap_keeps_freed_memory
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc, Linux page faults")
 
 MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
 
 # Fills a 48 MiB buffer allocated on another thread (as the engine's decode thread does)
 # and reports that thread's page faults, after an optional heap prefault of 128 MiB.
@@ -39,7 +41,7 @@ print(json.dumps({"prefaulted": done, **out}))
 
 def _probe(prefault_bytes: int, env: dict) -> dict:
     run_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
-    run_env["PYTHONPATH"] = os.getcwd()
+    run_env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, "-c", _PROBE, str(prefault_bytes)], env=run_env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -516,7 +516,7 @@ class ServeRuntimeConfig(_Strict):
         "l2_capacity_bytes).",
     )
     prefault_heap_bytes: int = Field(
-        default=512 << 20,
+        default=0,
         ge=0,
         le=3 << 30,
         description="Bytes of malloc heap each torch ComputeWorker touches at start and "
@@ -524,7 +524,10 @@ class ServeRuntimeConfig(_Strict):
         "then carved from mapped pages instead of faulting in new ones whenever a context "
         "outgrows every one before it. Resident memory grows by that much at start (at "
         "most a quarter of the memory available); the worker runs on one malloc arena "
-        "(MALLOC_ARENA_MAX=1) for it. 0 turns it off.",
+        "(MALLOC_ARENA_MAX=1) for it. 0 (the default) turns it off: with 512 MiB a "
+        "session's L2 prefix decodes stopped faulting (4-10 ms at every turn against "
+        "spikes of 13-20), but its loads from Redis (L3) took 3-4x as long, for a reason "
+        "not yet found (one arena alone did not do it; loadtests/README.md).",
     )
 
 

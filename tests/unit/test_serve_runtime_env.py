@@ -47,7 +47,9 @@ def test_each_setting_adds_only_its_variables():
 
 
 def test_only_a_replica_that_prefaults_its_heap_runs_on_one_malloc_arena():
-    config = AppConfig()
+    assert AppConfig().serve_runtime.prefault_heap_bytes == 0  # off unless asked for
+    assert "MALLOC_ARENA_MAX" not in env_of(with_serve_runtime(Replica, AppConfig(), heap_prefault=True))
+    config = AppConfig.model_validate({"serve_runtime": {"prefault_heap_bytes": 512 << 20}})
     assert "MALLOC_ARENA_MAX" not in env_of(with_serve_runtime(Replica, config))
     env = env_of(with_serve_runtime(Replica, config, heap_prefault=True))
     assert env["MALLOC_ARENA_MAX"] == ONE_ARENA_ENV["MALLOC_ARENA_MAX"] == "1"

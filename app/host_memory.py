@@ -16,6 +16,10 @@ glibc otherwise gives threads arenas of their own, whose freed memory serves onl
 40 or 80 MiB buffer allocated twice, each time on a new thread, faulted in every page both
 times; on one arena the second time faulted none). The engine decodes fetched prefixes on
 ``asyncio.to_thread``'s threads and allocates caches on its loop thread.
+
+Off by default (``serve_runtime.prefault_heap_bytes: 0``): with 512 MiB the worker's loads
+of a prefix from Redis (L3) took 3-4x as long in every run, for a reason not found yet
+(loadtests/README.md).
 """
 
 from __future__ import annotations

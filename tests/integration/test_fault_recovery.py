@@ -21,6 +21,8 @@ import pytest
 from tests.fixtures.models import get_model_path
 from tests.fixtures.serve_app import ENGINE_ARGS, app_args, vllm_importable, wait_for, wait_ready
 
+HEAP_PREFAULT_BYTES = 64 << 20
+
 pytestmark = pytest.mark.integration
 
 APP_NAME = "faults"
@@ -57,6 +59,9 @@ def faults_app(request, ray_cluster, redis_server, http_port):
         compute={"health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
         limits={"request_timeout_s": REQUEST_TIMEOUT_S},
         dataplane={"enabled": False},
+        # Off by default (it slowed L3 loads, loadtests/README.md); on here, small, so that
+        # a real replica, and the one that replaces it, run its path.
+        serve_runtime={"prefault_heap_bytes": HEAP_PREFAULT_BYTES},
     )
     base_url = f"http://127.0.0.1:{http_port}{ROUTE_PREFIX}"
     started = time.monotonic()
@@ -204,3 +209,29 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
 
     # Each retry was counted (the metric reaches /metrics within a few report intervals).
     assert wait_for(lambda: _retries_counted(base_url) >= 1, 30, "llm_router_retries in /metrics")
+
+
+def _metric_values(base_url: str, name: str, **labels) -> list[float]:
+    """Values of ``name``'s samples in /metrics that carry all of ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    text = httpx.get(base_url + "/metrics", timeout=60).text
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(w in line for w in want)
+    ]
+
+
+def test_a_torch_worker_prefaults_its_heap(faults_app):
+    """``serve_runtime.prefault_heap_bytes``: the torch worker's replica touched that much
+    malloc heap before it reported ready, which it does only on one malloc arena with freed
+    memory kept (app/host_memory.py); the gauge says how far it got."""
+    engine, base_url, _handle, _budget_s = faults_app
+    if engine != "torch":
+        pytest.skip("the torch engine's KV buffers only")
+
+    def all_done():
+        values = _metric_values(base_url, "ray_llm_heap_prefaulted_bytes", component="ComputeWorker")
+        return values and all(v == HEAP_PREFAULT_BYTES for v in values)
+
+    assert wait_for(all_done, 90, f"llm_heap_prefaulted_bytes = {HEAP_PREFAULT_BYTES} in /metrics")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH, wait_for
+from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH
 
 pytestmark = pytest.mark.integration
 
@@ -349,27 +349,3 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     text = r.text
     assert 'status="200"' in text
 
-
-def _metric_values(served_app, name: str, **labels) -> list[float]:
-    """Values of ``name``'s samples in /metrics that carry all of ``labels``."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    text = httpx.get(served_app.base_url + "/metrics", timeout=60).text
-    return [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and all(w in line for w in want)
-    ]
-
-
-def test_a_torch_worker_prefaults_its_heap(served_app):
-    """``serve_runtime.prefault_heap_bytes``: the torch worker's replica touched that much
-    malloc heap after it started, which it does only on one malloc arena with freed
-    memory kept (app/host_memory.py); the gauge says how far it got."""
-    if served_app.engine != "torch":
-        pytest.skip("the torch engine's KV buffers only")
-    want = served_app.config_args["serve_runtime"]["prefault_heap_bytes"]
-    assert want > 0
-    assert wait_for(
-        lambda: _metric_values(served_app, "ray_llm_heap_prefaulted_bytes", component="ComputeWorker") == [want],
-        90, f"llm_heap_prefaulted_bytes = {want} in /metrics",
-    )

@@ -348,4 +348,3 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     assert not missing, (missing, r.status_code, len(r.text), r.text[:300])
     text = r.text
     assert 'status="200"' in text
-

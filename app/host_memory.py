@@ -35,7 +35,6 @@ from app.object_store import AVAILABLE_SHARE, Prefault, available_memory
 
 logger = logging.getLogger("ray.serve")
 
-PAGE = 4096
 _CHUNK = 64 << 20
 
 

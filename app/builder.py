@@ -102,7 +102,7 @@ def with_serve_runtime(deployment, config: AppConfig, *, heap_prefault: bool = F
     env = {
         **(THROUGHPUT_ENV if rt.throughput_optimized else {}),
         **(MEMORY_ENV if rt.keep_freed_memory else {}),
-        **(ONE_ARENA_ENV if heap_prefault and rt.keep_freed_memory and rt.prefault_heap_bytes else {}),
+        **(ONE_ARENA_ENV if heap_prefault and rt.heap_prefault_on else {}),
     }
     if not env:
         return deployment

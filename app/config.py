@@ -530,6 +530,11 @@ class ServeRuntimeConfig(_Strict):
         "not yet found (one arena alone did not do it; loadtests/README.md).",
     )
 
+    @property
+    def heap_prefault_on(self) -> bool:
+        """Whether a torch worker prefaults its heap (it needs malloc to keep freed memory)."""
+        return self.keep_freed_memory and self.prefault_heap_bytes > 0
+
 
 class AppConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -127,7 +127,14 @@ class DataPlaneKVConnector(KVConnector):
             segments = self._stash.pop((tenant, hashes[-1]), None)
             if segments is None:
                 segments = await self._call("get_block_refs", tenant, hashes, shard_key=hashes[0])
+            t_map = time.perf_counter()
             blocks = None if segments is None else await resolve_block_refs(segments)
+            # The worker's part of a load: the call (the data plane's read) and mapping
+            # what it referenced (the torch engine logs the whole as load_ms).
+            logger.debug(
+                "kv load: blocks=%d call_ms=%.1f map_ms=%.1f",
+                len(hashes), 1000 * (t_map - started), 1000 * (time.perf_counter() - t_map),
+            )
         except Exception as e:
             logger.warning("KV load failed, treating as a miss: %s", e)
             return None

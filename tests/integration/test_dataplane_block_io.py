@@ -6,7 +6,9 @@ in L2, zero-copy packing)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import socket
 import time
 
@@ -273,6 +275,33 @@ async def test_put_of_a_list_of_block_arrays(redis_server):
         with pytest.raises(InvalidRequestError):
             await dp.put_blocks_packed("io", ["la", "lb", "lc"], arrays, [lengths[0], lengths[1], 5])
     finally:
+        await dp.shutdown()
+
+
+async def test_an_l3_read_logs_where_its_time_went_at_debug(redis_server, caplog):
+    dp = dataplane(redis_server.url)
+    serve_log = logging.getLogger("ray.serve")  # the replicas' log (Ray may stop its propagation)
+    serve_log.addHandler(caplog.handler)
+    try:
+        blocks = [block(50_000, i) for i in range(3)]
+        assert await dp.put_blocks_packed("io", ["dA", "dB", "dC"], *pack_blocks(blocks)) == 3
+        await dp.flush_l2()
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            assert await dp.get_blocks("io", ["dA", "dB"]) == blocks[:2]
+        assert not [r for r in caplog.records if "read from L3" in r.getMessage()]
+        await dp.flush_l2()
+        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
+            assert await dp.get_blocks("io", ["dA", "dB", "dC"]) == blocks
+            assert await dp.get_blocks("io", ["dA", "dB", "dC"]) == blocks  # from L2: no line
+        lines = [r.getMessage() for r in caplog.records if "read from L3" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert re.search(
+            rf"blocks=3 bytes={sum(map(len, blocks))} redis_ms=[\d.]+ redis_faults=\d+ "
+            r"check_ms=[\d.]+ copy_ms=[\d.]+ copy_faults=\d+$",
+            lines[0],
+        ), lines[0]
+    finally:
+        serve_log.removeHandler(caplog.handler)
         await dp.shutdown()
 
 

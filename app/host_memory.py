@@ -18,8 +18,10 @@ times; on one arena the second time faulted none). The engine decodes fetched pr
 ``asyncio.to_thread``'s threads and allocates caches on its loop thread.
 
 Off by default (``serve_runtime.prefault_heap_bytes: 0``): with 512 MiB the worker's loads
-of a prefix from Redis (L3) took 3-4x as long in every run, for a reason not found yet
-(loadtests/README.md).
+of a prefix from Redis (L3) took 3-4x as long in every run: the data plane's ``MGET`` was
+what slowed, with no more page faults in its thread. On this VM memory that sat idle is
+slow to read again (the host's doing, it seems), which a larger resident set may make
+worse (loadtests/README.md, "Redis's reply buffers, and memory that sat idle").
 """
 
 from __future__ import annotations

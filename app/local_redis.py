@@ -5,16 +5,6 @@ Used by the tests and by the run CLI (development): its own temporary directory,
 snapshots unless asked. ``cache_max_memory`` makes it a cache instead, the kind the KV
 blocks want (``dataplane.kv_redis``): no persistence, at most that much memory, least
 recently used keys evicted. Install the binary with ``scripts/install_redis.sh``.
-
-The server's jemalloc keeps the pages it frees (``REDIS_MALLOC_CONF``; a ``MALLOC_CONF``
-in this process's environment wins, an empty one gives jemalloc's defaults). Redis 7 copies
-each value it sends into reply buffers, and jemalloc by default hands freed pages back to
-the kernel within seconds: every large read (a prefix's blocks, tens of MiB) then faulted
-its reply buffers in anew, thousands of page faults, which on the VMs here cost up to tens
-of µs each. Measured (``python -m loadtests.redis_reads``: ``MGET`` of 17-120 blocks of
-256 KiB, 4 s apart, as a session's turns read them from L3): 6-288 ms with the default
-and 8-26 ms keeping them, 2-4k faults a read against none once warm. What it costs: the server's resident memory stays
-at its high-water mark (for the cache server, about its ``maxmemory``).
 """
 
 from __future__ import annotations
@@ -28,10 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
-
-
-# jemalloc (the allocator Redis is built with) never purges freed pages: see the module doc.
-REDIS_MALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 
 class LocalRedisError(RuntimeError):
@@ -118,10 +104,8 @@ class LocalRedis:
             "--logfile", str(self.log_path),
             *self._extra_args,
         ]
-        env = dict(os.environ)
-        env.setdefault("MALLOC_CONF", REDIS_MALLOC_CONF)
         self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:

@@ -106,9 +106,13 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
 
 
+# Per thread on Linux; elsewhere (macOS has no RUSAGE_THREAD) the whole process's.
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
 def _minor_faults() -> int:
     """Minor page faults of the calling thread so far (for DEBUG timings)."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    return resource.getrusage(_RUSAGE_WHO).ru_minflt
 
 
 def _settle(pending: dict, key, done: set) -> None:

@@ -134,8 +134,9 @@ def build_app(args: dict | None = None) -> Application:
         from deployments.dataplane.deployment import dataplane_deployment
 
         dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(payload)
-    torch_worker = resolved.engine.name == "torch"
-    worker = with_serve_runtime(worker_deployment(resolved), resolved, heap_prefault=torch_worker).bind(payload, dataplane)
+    worker = with_serve_runtime(
+        worker_deployment(resolved), resolved, heap_prefault=resolved.worker_prefaults_heap
+    ).bind(payload, dataplane)
     # The Router is not a deployment: each Ingress replica runs one in-process (see
     # docs/ARCHITECTURE.md), so tokens cross one Serve hop, worker → ingress.
     return with_serve_runtime(ingress_deployment(resolved), resolved).bind(worker, payload, dataplane)

@@ -526,8 +526,8 @@ class ServeRuntimeConfig(_Strict):
         "most a quarter of the memory available); the worker runs on one malloc arena "
         "(MALLOC_ARENA_MAX=1) for it. 0 (the default) turns it off: with 512 MiB a "
         "session's L2 prefix decodes stopped faulting (4-10 ms at every turn against "
-        "spikes of 13-20), but its loads from Redis (L3) took 3-4x as long, for a reason "
-        "not yet found (one arena alone did not do it; loadtests/README.md).",
+        "spikes of 13-20), but its loads from Redis (L3) took 3-4x as long: the data "
+        "plane's MGET slowed, with no more page faults (loadtests/README.md).",
     )
 
     @property
@@ -546,6 +546,12 @@ class AppConfig(_Strict):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     serve_runtime: ServeRuntimeConfig = Field(default_factory=ServeRuntimeConfig)
+
+    @property
+    def worker_prefaults_heap(self) -> bool:
+        """Whether the ComputeWorker prefaults its heap (a torch engine only): the builder
+        puts it on one malloc arena and the worker runs the prefault on this one answer."""
+        return self.engine.name == "torch" and self.serve_runtime.heap_prefault_on
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "AppConfig":

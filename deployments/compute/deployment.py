@@ -85,12 +85,11 @@ class ComputeWorker:
             # now on), not a fault per 4 KiB of every block.
             self._prefault = Prefault(self._config.serve_runtime.prefault_object_store_bytes, who="ComputeWorker")
         self._heap_prefault = None
-        rt = self._config.serve_runtime
-        if self._config.engine.name == "torch" and rt.heap_prefault_on:
+        if self._config.worker_prefaults_heap:
             # KV buffers outgrowing every one before them fault in new pages (in a thread
             # beside the engine's start; app/host_memory.py). The builder put this replica
             # on one malloc arena on the same condition.
-            self._heap_prefault = HeapPrefault(rt.prefault_heap_bytes, who="ComputeWorker")
+            self._heap_prefault = HeapPrefault(self._config.serve_runtime.prefault_heap_bytes, who="ComputeWorker")
         await self._engine.start()
         if self._config.engine.warmup:
             await self._warm_up()

@@ -401,13 +401,11 @@ class Ingress:
             return list(req.prompt)
         return self._tokenizer.encode(req.prompt)
 
-    async def _next(self, stream, deadline: float) -> TokenDelta:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise asyncio.TimeoutError()
-        # asyncio.timeout, not wait_for: no extra task per delta on this hot path.
-        async with asyncio.timeout(remaining):
-            return await stream.__anext__()
+    @staticmethod
+    async def _next(stream) -> TokenDelta:
+        # No deadline of its own: the router bounds every wait of the request (queue,
+        # session check, each delta) by limits.request_timeout_s and answers 504.
+        return await stream.__anext__()
 
     def _record(self, calls: list[_Call], status: int) -> None:
         """One request's metrics and log line; ``calls`` are its choices (``n``)."""
@@ -529,7 +527,7 @@ class Ingress:
                     prompt_ids = self._completion_prompt_ids(req)
                 started = time.monotonic()
                 try:
-                    calls, streams, firsts, deadline = await self._start(endpoint, req, span, prompt_ids, turn, check, started)
+                    calls, streams, firsts = await self._start(endpoint, req, span, prompt_ids, turn, check, started)
                 except Exception as e:
                     if check is None:
                         raise
@@ -546,7 +544,7 @@ class Ingress:
                         turn.session_id, turn.expected_version, record.version,
                     )
                     prompt_ids, turn = self._session_prompt(req, turn.session_id, turn.new_messages, record)
-                    calls, streams, firsts, deadline = await self._start(endpoint, req, span, prompt_ids, turn, None, started)
+                    calls, streams, firsts = await self._start(endpoint, req, span, prompt_ids, turn, None, started)
                 else:
                     if turn is not None:
                         self._count_session_turn(span, "hit" if check is not None else "miss")
@@ -560,11 +558,11 @@ class Ingress:
                     early_session.cancel()  # unused (the request failed first): a read only
             if req.stream:
                 return StreamingResponse(
-                    self._stream_body(req, calls, firsts, streams, deadline),
+                    self._stream_body(req, calls, firsts, streams),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Request-Id": calls[0].request_id},
                 )
-            return await self._complete_body(req, calls, firsts, streams, deadline)
+            return await self._complete_body(req, calls, firsts, streams)
 
     def _count_session_turn(self, span, result: str) -> None:
         self._m.session_cache.inc(tags={"result": result})
@@ -573,8 +571,8 @@ class Ingress:
     async def _start(self, endpoint: str, req, span, prompt_ids: list[int], turn, check, started: float):
         """Hand the request's choices to the router and wait for each one's first delta
         (so that a rejection keeps its status code). ``check``: what the router awaits
-        before the worker call (see ``_chat_prompt``). Returns the calls, their streams,
-        their first deltas and the deadline."""
+        before the worker call (see ``_chat_prompt``). Returns the calls, their streams and
+        their first deltas."""
         gen_request = self._generation_request(req, prompt_ids)
         # A non-streaming client sees nothing before the end, so the router may
         # run it again if its worker dies mid-way (see Router._stream_with_retry).
@@ -596,26 +594,25 @@ class Ingress:
         span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
-        deadline = call.started + self._config.limits.request_timeout_s
         streams = [_LocalStream(self._router.generate(g, gate=check)) for g in gen_requests]
-        firsts = await self._each_choice([self._next(s, deadline) for s in streams], streams)
+        firsts = await self._each_choice([self._next(s) for s in streams], streams)
         for c, first in zip(calls, firsts):
             c.on_delta(first)
-        return calls, streams, firsts, deadline
+        return calls, streams, firsts
 
-    async def _rest_of_choice(self, call: _Call, first: TokenDelta, stream, deadline: float) -> str:
+    async def _rest_of_choice(self, call: _Call, first: TokenDelta, stream) -> str:
         parts = [first.text]
         delta = first
         while delta.finish_reason is None:
-            delta = await self._next(stream, deadline)
+            delta = await self._next(stream)
             call.on_delta(delta)
             parts.append(delta.text)
         return "".join(parts)
 
-    async def _complete_body(self, req, calls: list[_Call], firsts, streams, deadline) -> Response:
+    async def _complete_body(self, req, calls: list[_Call], firsts, streams) -> Response:
         try:
             texts = await self._each_choice(
-                [self._rest_of_choice(c, f, s, deadline) for c, f, s in zip(calls, firsts, streams)], streams
+                [self._rest_of_choice(c, f, s) for c, f, s in zip(calls, firsts, streams)], streams
             )
             await self._commit_turn(calls[0], texts[0])
         except BaseException as e:
@@ -651,7 +648,7 @@ class Ingress:
         }
         return JSONResponse(body, headers={"X-Request-Id": calls[0].request_id})
 
-    async def _stream_body(self, req, calls: list[_Call], firsts, streams, deadline) -> AsyncIterator[bytes]:
+    async def _stream_body(self, req, calls: list[_Call], firsts, streams) -> AsyncIterator[bytes]:
         chat = isinstance(req, ChatCompletionRequest)
         chunk_id = new_id("chatcmpl" if chat else "cmpl")
         created = now()
@@ -695,7 +692,7 @@ class Ingress:
                         yield chunk(0, delta.text, delta.finish_reason)
                     if delta.finish_reason is not None:
                         break
-                    delta = await self._next(stream, deadline)
+                    delta = await self._next(stream)
                     call.on_delta(delta)
             else:
                 # n choices: one reader per choice feeds a queue; chunks go out in the
@@ -706,7 +703,7 @@ class Ingress:
                     delta = firsts[i]
                     try:
                         while delta.finish_reason is None:
-                            delta = await self._next(streams[i], deadline)
+                            delta = await self._next(streams[i])
                             calls[i].on_delta(delta)
                             queue.put_nowait((i, delta))
                     except Exception as e:  # noqa: BLE001 - handed to the writer

@@ -269,6 +269,9 @@ class Router:
                 logger.info("router batching off: the engine batches continuously itself")
         except Exception:  # a worker still starting: keep the configured batching
             self._batching_resolved = False
+        except BaseException:  # this request cancelled (its deadline, its client gone)
+            self._batching_resolved = False  # the next request asks again
+            raise
 
     async def _await_ready_worker(self, deadline: float) -> None:
         """Wait until a worker answers ``ready`` (with one replica: its replacement),
@@ -373,11 +376,12 @@ class Router:
             hashes = self._kv_hashes(request)
             if self._skip_kv_lookup(request, hashes):
                 pass  # a certain miss: no lookup here nor in the worker
-            elif not self._prefetch(request, hashes):
+            elif hashes and not self._prefetch(request, hashes):
                 # Its assignment to a data-plane replica (~3 ms on 2 cores, which every
                 # request paid in full when awaited here) runs while the request queues.
                 lookup = asyncio.ensure_future(self._start_kv_lookup(request, hashes))
-            await self._resolve_batching()
+            if not self._batching_resolved:  # the first request: asks a worker
+                await self._within_deadline(self._resolve_batching(), deadline, request, "queue")
             with self._tracer.start_as_current_span("router.queue", context=ctx) as span:
                 item = _Queued(request, time.monotonic())
                 self._batcher.submit(item)

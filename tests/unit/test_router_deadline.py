@@ -122,6 +122,29 @@ async def test_a_request_within_its_deadline_is_untouched():
     assert not stream.cancelled
 
 
+@pytest.mark.asyncio
+async def test_a_first_request_whose_worker_never_answers_gets_504():
+    """The first request asks a worker whether it wants router batching; a worker that
+    never answers (a replica stuck in start-up) must not hold the request past its
+    deadline: the router's deadline is the only one (the ingress keeps no timer)."""
+    stream = _Stream(num_deltas=1, finish=True)
+    worker = _Worker(stream)
+
+    async def hang():
+        await asyncio.sleep(3600)
+
+    worker.capabilities = _Method(hang)
+    config = {"limits": {"request_timeout_s": 0.3}, "router": {}, "dataplane": {"enabled": False}}
+    router = Router(worker, config)
+    started = time.monotonic()
+    with pytest.raises(GatewayTimeoutError):
+        await asyncio.wait_for(_consume(router), 10)  # without a deadline: TimeoutError
+    assert 0.3 <= time.monotonic() - started < 1.5
+    assert stream.sent == 0 and router.queue_depth() == 0
+    # The question is asked again by the next request (this one learned nothing).
+    assert not router._batching_resolved
+
+
 class _Counting(_Worker):
     def __init__(self, stream: _Stream):
         super().__init__(stream)

@@ -729,13 +729,13 @@ def add_kv_redis_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_ingress_option(parser: argparse.ArgumentParser) -> None:
+def add_ingress_option(parser: argparse.ArgumentParser, default: str = "serve-proxy") -> None:
     """``--ingress serve-proxy|haproxy`` of the side-by-side benchmarks that start their
     own Ray: what takes the app's HTTP port, as ``llm-serve run --ingress``."""
     from app.builder import INGRESS_MODES
 
     parser.add_argument(
-        "--ingress", choices=INGRESS_MODES, default="serve-proxy",
+        "--ingress", choices=INGRESS_MODES, default=default,
         help="what takes the app's HTTP port (as `llm-serve run --ingress`)",
     )
 

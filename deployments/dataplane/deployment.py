@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import resource
 import time
 from collections import OrderedDict, defaultdict
 from typing import Callable, Iterable, Optional, Sequence
@@ -44,6 +43,7 @@ from opentelemetry import trace
 from app import telemetry
 from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.host_memory import minor_faults
 from app.object_store import Prefault
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
@@ -104,15 +104,6 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
         return list(resident.views), resident
     owned = np.concatenate(arrays)
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
-
-
-# Per thread on Linux; elsewhere (macOS has no RUSAGE_THREAD) the whole process's.
-_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-
-
-def _minor_faults() -> int:
-    """Minor page faults of the calling thread so far (for DEBUG timings)."""
-    return resource.getrusage(_RUSAGE_WHO).ru_minflt
 
 
 def _settle(pending: dict, key, done: set) -> None:
@@ -717,7 +708,7 @@ class DataPlane:
         if missing:
             debug = logger.isEnabledFor(logging.DEBUG)
             if debug:
-                t_read, faults_read = time.perf_counter(), _minor_faults()
+                t_read, faults_read = time.perf_counter(), minor_faults()
             try:
                 _, fetched = await self._redis(
                     KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing]
@@ -725,7 +716,7 @@ class DataPlane:
             except RedisUnavailable:
                 fetched = [None] * len(missing)
             if debug:
-                t_check, faults_check = time.perf_counter(), _minor_faults()
+                t_check, faults_check = time.perf_counter(), minor_faults()
             for i, data in zip(missing, fetched):
                 if data is None:
                     self._counts["get_misses"] += 1
@@ -738,7 +729,7 @@ class DataPlane:
                     return None, TIER_NONE
                 out[i] = data
             if debug:
-                t_copy, faults_copy = time.perf_counter(), _minor_faults()
+                t_copy, faults_copy = time.perf_counter(), minor_faults()
             owned, group = _own_blocks([out[i] for i in missing], self._object_store)
             if debug:
                 # Where an L3 read's time goes (the worker logs its whole wait, load_ms):
@@ -750,7 +741,7 @@ class DataPlane:
                     "check_ms=%.1f copy_ms=%.1f copy_faults=%d",
                     len(missing), sum(len(out[i]) for i in missing),
                     1000 * (t_check - t_read), faults_check - faults_read, 1000 * (t_copy - t_check),
-                    1000 * (time.perf_counter() - t_copy), _minor_faults() - faults_copy,
+                    1000 * (time.perf_counter() - t_copy), minor_faults() - faults_copy,
                 )
             for i, view in zip(missing, owned):
                 out[i] = view

@@ -4,6 +4,8 @@ prefills only its new suffix, store failures are misses, and hits mix with misse
 running batch."""
 
 import asyncio
+import logging
+import re
 import threading
 
 import pytest
@@ -173,6 +175,29 @@ async def test_second_turn_prefills_only_the_new_suffix(engine, plain):
     assert engine._kv.chain_roots[-1] == all_hashes[0] != all_hashes[hit // BLOCK]
     # ...and its session, which lists them so that deleting the session erases them.
     assert engine._kv.session_ids[-2:] == [None, "sess_" + "e" * 32]
+
+
+@pytest.mark.asyncio
+async def test_an_import_logs_its_parts_and_its_decode_faults_at_debug(engine, caplog):
+    """The line that splits a fetched prefix's time (lookup, load, decode) and counts the
+    page faults of its decode, whose fresh buffer pages are most of a slow decode here."""
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("log-prime", ids))
+    serve_log = logging.getLogger("ray.serve")  # the engine's logger (Ray may stop its propagation)
+    serve_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
+            await collect(engine, make_request("log-import", ids))
+    finally:
+        serve_log.removeHandler(caplog.handler)
+    # One record, whether it reached the handler once or also through propagation.
+    lines = list({id(r): r.getMessage() for r in caplog.records if "kv prefix fetched" in r.getMessage()}.values())
+    assert len(lines) == 1, lines
+    assert re.search(
+        r"request=log-import tier=\S+ blocks=\d+ bytes=\d+ lookup_ms=[\d.]+ load_ms=[\d.]+ "
+        r"decode_ms=[\d.]+ decode_faults=\d+$",
+        lines[0],
+    ), lines[0]
 
 
 @pytest.mark.asyncio

@@ -32,9 +32,14 @@ THROUGHPUT_ENV = {
 # freed, so the next KV read buffer or prefix tensor of that size faults in fresh pages:
 # on this project's VMs a fresh 30 MB buffer took 64 ms to fill, a reused one 2.5 ms.
 # These make malloc serve such blocks from memory it keeps (`serve_runtime.keep_freed_memory`).
+# And numpy (which the worker's KV buffers come from, kv_buffer.host_empty) no longer asks
+# for transparent huge pages for arrays of 4 MiB and more: with the kernel's default
+# defrag=madvise each such fault may compact memory first, and a prefix decode into a
+# fresh buffer took 30-350 ms with 50-530 faults where 4 KiB pages took 5-40 ms.
 MEMORY_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "NUMPY_MADVISE_HUGEPAGE": "0",
 }
 # And for a torch worker that prefaults its heap (``serve_runtime.prefault_heap_bytes``,
 # app/host_memory.py): every thread on the one arena whose freed memory the prefault left.

@@ -497,7 +497,8 @@ class ServeRuntimeConfig(_Strict):
     keep_freed_memory: bool = Field(
         default=True,
         description="Run every replica with glibc malloc keeping freed memory for reuse "
-        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): the KV buffers and prefix "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) and numpy not asking for "
+        "transparent huge pages (NUMPY_MADVISE_HUGEPAGE=0): the KV buffers and prefix "
         "tensors of each request then reuse pages instead of faulting in fresh ones; a "
         "replica's resident memory stays at its high-water mark. "
         "Variables set in the application's own runtime_env win.",

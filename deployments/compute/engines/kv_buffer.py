@@ -16,8 +16,10 @@ writes its suffix there instead of copying the prefix again.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -28,6 +30,35 @@ MIN_ROOM_TOKENS = 64
 DECODE_ROOM_TOKENS = 256
 _TOKENS_DIM = -2  # of a layer's [batch, heads, tokens, head_dim]
 _SPAN_TOKENS_DIM = 3  # of a span's [layers, 2, heads, tokens, head_dim]
+
+
+def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory comes from plain ``malloc`` (through
+    numpy) instead of torch's CPU allocator. Torch asks glibc for 64-byte aligned memory
+    (``posix_memalign``), and glibc pads such a request by the alignment: once anything
+    small was allocated behind a freed buffer, a new buffer of the same size no longer
+    fits in it, so the heap grows and every page of the new buffer faults in fresh (30 MiB
+    allocated and freed six times, with a small allocation between: the heap grew 120 MiB
+    and four of the six faulted all 7,680 pages; through numpy it grew 0 and none did). A
+    buffer from numpy reuses the one freed before it. Replicas run with numpy's huge
+    pages off (``NUMPY_MADVISE_HUGEPAGE=0``, app/builder.py MEMORY_ENV): a huge-page
+    fault may compact memory first, and decodes into fresh buffers took 30-350 ms.
+    ``loadtests/README.md`` ("Page faults in the decode") has the measurements."""
+    shape = tuple(int(n) for n in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # A tensor of its own over the array's memory (not a view: room_buffer() recognises
+    # a buffer by a span's _base); the storage keeps the array alive.
+    storage = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def _empty_like_device(like: torch.Tensor, shape) -> torch.Tensor:
+    """An uninitialised buffer of ``shape`` with ``like``'s dtype and device."""
+    if like.device.type == "cpu":
+        return host_empty(shape, like.dtype)
+    return like.new_empty(shape)
 
 
 def room_for(num_tokens: int) -> int:
@@ -82,7 +113,7 @@ class GrowableLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
             shape = list(key_states.shape)
             shape[_TOKENS_DIM] = new + room_for(new)
-            self._own(key_states.new_empty(shape), value_states.new_empty(shape), 0)
+            self._own(_empty_like_device(key_states, shape), _empty_like_device(value_states, shape), 0)
         elif self.keys is not self._views[0] or self.values is not self._views[1]:
             # Assigned from outside: adopted with no room (never written into).
             self._own(self.keys, self.values, self.keys.shape[_TOKENS_DIM])
@@ -90,7 +121,7 @@ class GrowableLayer(DynamicLayer):
         if n + new > self._kbuf.shape[_TOKENS_DIM]:
             shape = list(self._kbuf.shape)
             shape[_TOKENS_DIM] = n + new + room_for(n + new)
-            kbuf, vbuf = self._kbuf.new_empty(shape), self._vbuf.new_empty(shape)
+            kbuf, vbuf = _empty_like_device(self._kbuf, shape), _empty_like_device(self._vbuf, shape)
             kbuf.narrow(_TOKENS_DIM, 0, n).copy_(self.keys)
             vbuf.narrow(_TOKENS_DIM, 0, n).copy_(self.values)
             self._kbuf, self._vbuf = kbuf, vbuf
@@ -127,7 +158,11 @@ def empty_with_room(shape, room: int, *, dtype: torch.dtype, device=None) -> tor
     the leading part of a buffer with ``room`` more tokens (see :func:`room_buffer`)."""
     full = list(shape)
     full[_SPAN_TOKENS_DIM] += max(0, int(room))
-    return torch.empty(full, dtype=dtype, device=device).narrow(_SPAN_TOKENS_DIM, 0, shape[_SPAN_TOKENS_DIM])
+    if device is None or torch.device(device).type == "cpu":
+        buf = host_empty(full, dtype)
+    else:
+        buf = torch.empty(full, dtype=dtype, device=device)
+    return buf.narrow(_SPAN_TOKENS_DIM, 0, shape[_SPAN_TOKENS_DIM])
 
 
 def room_buffer(span: torch.Tensor) -> torch.Tensor:

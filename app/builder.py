@@ -35,7 +35,7 @@ THROUGHPUT_ENV = {
 # And numpy (which the worker's KV buffers come from, kv_buffer.host_empty) no longer asks
 # for transparent huge pages for arrays of 4 MiB and more: with the kernel's default
 # defrag=madvise each such fault may compact memory first, and a prefix decode into a
-# fresh buffer took 30-350 ms with 50-530 faults where 4 KiB pages took 5-40 ms.
+# fresh buffer took 30-350 ms with 50-530 faults where 4 KiB pages took 3-33 ms.
 MEMORY_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(4 << 30),

@@ -3,7 +3,7 @@ and where the front end runs. What ``compare_vllm`` cannot show, since its gap t
 vLLM moves by tens of percent between minutes on a shared machine.
 
     python -m loadtests.vllm_variants [--variants 15:500,0:0,15:500:pin] [--rounds 2]
-        [--concurrency 8,32] [--requests-per-slot 24] [--out FILE.json]
+        [--concurrency 8,32] [--prompts-per-slot 24] [--out FILE.json]
 
 A variant is ``INTERVAL_MS:MAX_MESSAGES_PER_S`` (``engine.stream_interval_ms`` and
 ``engine.stream_max_messages_per_s``), with ``:pin`` to move every process of the Ray
@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from loadtests.benchmark import add_ingress_option, run_level, write_report
-from loadtests.compare_vllm import MODEL_NAME, OurApp, _cpu_by_role
+from loadtests.compare_vllm import MODEL_NAME, OurApp, measure
 
 
 def _say(msg: str) -> None:
@@ -98,40 +98,14 @@ def unpin() -> None:
     _set_affinity(_session_pids(), set(range(os.cpu_count() or 1)))
 
 
-async def _levels(base_url: str, args, variant: dict, rnd: int) -> list[dict]:
-    out = []
-    for c in args.concurrency:
-        before = _cpu_by_role()
-        level = await run_level(
-            base_url, MODEL_NAME, c, args.requests_per_slot * c, input_len=args.input_len,
-            output_len=args.output_len, vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
-            label=f"{variant['name']} c={c} r{rnd}", progress=False,
-        )
-        after = _cpu_by_role()
-        tokens = level.get("total_output_tokens") or 0
-        level.update(
-            variant=variant["name"], round=rnd,
-            cpu_ms_per_1k_output_tokens={
-                role: round(1e6 * (after[role] - before.get(role, 0.0)) / tokens, 1)
-                for role in after
-                if tokens and after[role] - before.get(role, 0.0) > 0.005
-            },
-        )
-        _say(
-            f"round {rnd} {variant['name']} c={c}: {level.get('output_throughput', 0):.0f} tok/s, "
-            f"TTFT p50 {level.get('p50_ttft_ms', 0):.1f} ms, ITL p50 {level.get('p50_itl_ms', 0):.1f} ms"
-        )
-        out.append(level)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.vllm_variants")
     p.add_argument("--model-dir", default="models/tiny")
     p.add_argument("--variants", default="15:500,0:0,15:500:pin")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", default="8,32")
-    p.add_argument("--requests-per-slot", type=int, default=24, help="requests per level = this x c")
+    p.add_argument("--prompts-per-slot", type=int, default=24, help="requests per level = this x c")
+    p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -166,7 +140,8 @@ def main(argv=None) -> int:
                     if variant["pin"]:
                         pins.append({"round": rnd, **pin_front_end()})
                         _say(f"pinned: {pins[-1]}")
-                    levels += asyncio.run(_levels(base_url, args, variant, rnd))
+                    # compare_vllm's levels, with the variant's name as the system's.
+                    levels += measure(base_url, variant["name"], rnd, args)
                 finally:
                     app.stop()
                     if variant["pin"]:
@@ -179,7 +154,7 @@ def main(argv=None) -> int:
           f"{'ours CPU ms/1k':>14}")
     for variant in variants:
         for c in args.concurrency:
-            rows = [lv for lv in levels if lv["variant"] == variant["name"] and lv["concurrency"] == c]
+            rows = [lv for lv in levels if lv["system"] == variant["name"] and lv["concurrency"] == c]
             if not rows:
                 continue
             tput = [lv.get("output_throughput") or 0 for lv in rows]

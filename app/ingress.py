@@ -86,7 +86,11 @@ class _Metrics:
             "llm_requests", "Requests by endpoint and HTTP status.", tag_keys=("endpoint", "status")
         )
         self.ttft = metrics.Histogram(
-            "llm_ttft_seconds", "Time to first token.", boundaries=LATENCY_BUCKETS_S, tag_keys=tags
+            "llm_ttft_seconds",
+            "Time to first token, from the ingress taking the request (its parsing, session "
+            "history and tokenising included).",
+            boundaries=LATENCY_BUCKETS_S,
+            tag_keys=tags,
         )
         self.tpot = metrics.Histogram(
             "llm_tpot_seconds",
@@ -129,7 +133,10 @@ class _Call:
         self.endpoint = endpoint
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.started = time.monotonic()
+        # When the handler took the request, and when it handed it to the router (after
+        # parsing, the session's history and tokenising): TTFT and e2e count from the
+        # first, the log line splits the two.
+        self.received = self.started = time.monotonic()
         self.first_token_at: Optional[float] = None
         self.num_output_tokens = 0
         self.finish_reason: Optional[str] = None
@@ -416,7 +423,7 @@ class Ingress:
             return
         end = time.monotonic()
         num_output = sum(c.num_output_tokens for c in calls)
-        self._m.e2e.observe(end - call.started, tags=tags)
+        self._m.e2e.observe(end - call.received, tags=tags)
         self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=tags)
         if num_output:
             self._m.output_tokens.inc(num_output, tags=tags)
@@ -424,7 +431,7 @@ class Ingress:
         # its deltas from the router at the end).
         firsts = [c.first_token_at for c in calls if c.first_token_at is not None]
         if firsts and call.streamed:
-            self._m.ttft.observe(min(firsts) - call.started, tags=tags)
+            self._m.ttft.observe(min(firsts) - call.received, tags=tags)
             for c in calls:  # per sequence: each choice decodes its own tokens
                 if c.first_token_at is not None and c.num_output_tokens > 1:
                     self._m.tpot.observe(
@@ -432,15 +439,16 @@ class Ingress:
                     )
         logger.info(
             "request done: id=%s endpoint=%s n=%d prompt_tokens=%d output_tokens=%d finish=%s "
-            "ttft_ms=%.1f e2e_ms=%.1f trace=%s",
+            "prompt_ms=%.1f ttft_ms=%.1f e2e_ms=%.1f trace=%s",
             call.request_id,
             call.endpoint,
             len(calls),
             call.num_prompt_tokens,
             num_output,
             ",".join(str(c.finish_reason) for c in calls),
-            1000 * ((min(firsts) if firsts else end) - call.started),
-            1000 * (end - call.started),
+            1000 * (call.started - call.received),
+            1000 * ((min(firsts) if firsts else end) - call.received),
+            1000 * (end - call.received),
             call.trace_id,
         )
 
@@ -502,6 +510,7 @@ class Ingress:
             raise
 
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
+        received = time.monotonic()
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
             early_session = None
             try:
@@ -527,7 +536,9 @@ class Ingress:
                     prompt_ids = self._completion_prompt_ids(req)
                 started = time.monotonic()
                 try:
-                    calls, streams, firsts = await self._start(endpoint, req, span, prompt_ids, turn, check, started)
+                    calls, streams, firsts = await self._start(
+                        endpoint, req, span, prompt_ids, turn, check, received, started
+                    )
                 except Exception as e:
                     if check is None:
                         raise
@@ -544,7 +555,9 @@ class Ingress:
                         turn.session_id, turn.expected_version, record.version,
                     )
                     prompt_ids, turn = self._session_prompt(req, turn.session_id, turn.new_messages, record)
-                    calls, streams, firsts = await self._start(endpoint, req, span, prompt_ids, turn, None, started)
+                    calls, streams, firsts = await self._start(
+                        endpoint, req, span, prompt_ids, turn, None, received, started
+                    )
                 else:
                     if turn is not None:
                         self._count_session_turn(span, "hit" if check is not None else "miss")
@@ -568,7 +581,9 @@ class Ingress:
         self._m.session_cache.inc(tags={"result": result})
         span.set_attribute("llm.session_cache", result)
 
-    async def _start(self, endpoint: str, req, span, prompt_ids: list[int], turn, check, started: float):
+    async def _start(
+        self, endpoint: str, req, span, prompt_ids: list[int], turn, check, received: float, started: float
+    ):
         """Hand the request's choices to the router and wait for each one's first delta
         (so that a rejection keeps its status code). ``check``: what the router awaits
         before the worker call (see ``_chat_prompt``). Returns the calls, their streams and
@@ -585,7 +600,7 @@ class Ingress:
         calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]
         for c in calls:
             c.streamed = bool(req.stream)
-            c.started = started
+            c.received, c.started = received, started
         call = calls[0]
         call.turn = turn
         if turn is not None:

@@ -216,8 +216,17 @@ class ComputeWorker:
             try:
                 # aclosing: a cancellation that lands outside the engine's iterator (in
                 # the sleep below) must still close it, which aborts the request.
+                entered = time.monotonic()
                 async with contextlib.aclosing(self._engine.generate(request)) as deltas:
                     async for delta in deltas:
+                        if not num_tokens and delta.token_ids and logger.isEnabledFor(logging.DEBUG):
+                            # With the engine's "kv prefix fetched" line (its part of this
+                            # wait) and the ingress's "request done" (the whole TTFT).
+                            logger.debug(
+                                "first delta: request=%s prompt_tokens=%d worker_ms=%.1f",
+                                request.request_id, len(request.prompt_token_ids),
+                                1000 * (time.monotonic() - entered),
+                            )
                         num_tokens += len(delta.token_ids)
                         yield delta
                         if delta.finish_reason is not None:

@@ -7,6 +7,7 @@ vLLM's DELTA outputs do (pure unit test: no Ray)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from deployments.compute.engines.protocol import (
     SamplingParams,
     TokenDelta,
 )
+from tests.fixtures.logs import messages_containing
 
 TOKEN_PERIOD_S = 0.005
 
@@ -57,11 +59,24 @@ class _ClockEngine:
         pass
 
 
-async def _streams(engine, max_tokens: list[int], interval_ms: float):
+class _SlowStartEngine(_ClockEngine):
+    """Its first token comes after ``delay_s`` (a prefix fetch, a prefill)."""
+
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def generate(self, request):
+        await asyncio.sleep(self.delay_s)
+        async for delta in super().generate(request):
+            yield delta
+
+
+async def _streams(engine, max_tokens: list[int], interval_ms: float, log_level: str = "INFO"):
     """One worker; its requests one after the other: (deltas, seconds) of each."""
     config = {
         "engine": {"warmup": False, "stream_interval_ms": interval_ms, "stream_max_messages_per_s": 0},
-        "telemetry": {"log_level": "INFO"},
+        "telemetry": {"log_level": log_level},
     }
     worker = ComputeWorker.__new__(ComputeWorker)
     await ComputeWorker.__init__(worker, config, engine_factory=lambda *a, **k: engine)
@@ -94,6 +109,21 @@ def test_a_stream_that_ends_early_still_waits_out_its_interval():
     [(deltas, took)] = asyncio.run(_streams(_ClockEngine(eos_after=10), max_tokens=[40], interval_ms=300))
     assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "stop"
     assert took >= 0.3 and len(deltas) == 2
+
+
+def test_the_first_delta_logs_the_workers_part_of_ttft_at_debug(caplog):
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
+            [(deltas, _)] = asyncio.run(_streams(_SlowStartEngine(0.15), max_tokens=[20], interval_ms=10, log_level="DEBUG"))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert len(deltas) > 1
+    [line] = messages_containing(caplog, "first delta:")  # once a request, not per delta
+    fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    assert fields["request"] == "r0" and fields["prompt_tokens"] == "3"
+    assert 150 <= float(fields["worker_ms"]) < 1000
 
 
 @pytest.mark.parametrize(

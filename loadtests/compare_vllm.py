@@ -218,9 +218,10 @@ _ROLES = (
     ("vllm.entrypoints.openai.api_server", "vllm API server"),
     ("ServeReplica:bench:Ingress", "our ingress + router"),
     ("ServeReplica:bench:ComputeWorker", "our worker (vLLM frontend)"),
+    ("ServeReplica:bench:Direct", "direct replica (vLLM frontend + HTTP)"),
     ("ProxyActor", "Serve HTTP proxy"),
     ("ServeController", "Serve controller"),
-    ("compare_vllm", "load generator (this process)"),
+    ("loadtests.", "load generator (this process)"),
 )
 
 

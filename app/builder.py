@@ -139,6 +139,13 @@ def build_app(args: dict | None = None) -> Application:
         from deployments.dataplane.deployment import dataplane_deployment
 
         dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(payload)
+    if resolved.ingress.with_worker:
+        # The ingress and its worker in one process (app/server.py): no Serve hop per token.
+        from app.server import server_deployment
+
+        return with_serve_runtime(
+            server_deployment(resolved), resolved, heap_prefault=resolved.worker_prefaults_heap
+        ).bind(payload, dataplane)
     worker = with_serve_runtime(
         worker_deployment(resolved), resolved, heap_prefault=resolved.worker_prefaults_heap
     ).bind(payload, dataplane)

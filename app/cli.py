@@ -123,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
     serve.start(http_options={"host": host, "port": port})
-    _say("deploying Ingress (with its router) → ComputeWorker → DataPlane (loading weights, warm-up)")
+    layout = (
+        "Server (ingress, router and ComputeWorker in one process)"
+        if AppConfig.model_validate(app_args).ingress.with_worker
+        else "Ingress (with its router) → ComputeWorker"
+    )
+    _say(f"deploying {layout} → DataPlane (loading weights, warm-up)")
     serve.run(
         application,
         name=app_doc.get("name", "llm"),

@@ -359,6 +359,16 @@ class IngressConfig(_Strict):
     # With the defaults every deployment fits Ray's 2 logical CPUs of a 2-core laptop
     # (`serve run` without a cluster): ingress 0.25 (with its router) + worker 1 + 2 × 0.25.
     num_cpus: float = Field(default=0.25, ge=0, le=64)
+    with_worker: bool = Field(
+        default=False,
+        description="Run each ComputeWorker in the process of an Ingress replica (one "
+        "deployment, 'Server', with compute's replica count, autoscaling and resources "
+        "plus ingress.num_cpus): a token goes from the engine to the HTTP response "
+        "without a Serve hop. Meant for the vLLM engine, which batches by itself; requests "
+        "are spread over replicas by the HTTP proxy (Serve's or HAProxy), not by the "
+        "router's placement, and a session's KV reaches any replica through the data "
+        "plane. ingress.num_replicas does not apply.",
+    )
 
 
 class TelemetryConfig(_Strict):

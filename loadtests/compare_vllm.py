@@ -57,11 +57,17 @@ def app_args(model_path: Path, args) -> dict:
             {"stream_max_messages_per_s": args.stream_max_messages_per_s}
             if getattr(args, "stream_max_messages_per_s", None) is not None
             else {}
+        )
+        | (
+            {"stream_interval_ms": args.stream_interval_ms}
+            if getattr(args, "stream_interval_ms", None) is not None
+            else {}
         ),
         # Ray sets OMP_NUM_THREADS to an actor's num_cpus (the EngineCore inherits it):
         # all cores, as plain vLLM's torch uses by default.
         "compute": {"num_replicas": 1, "num_cpus": os.cpu_count() or 1},
         "router": {"max_queue_depth": 1024},
+        "ingress": {"with_worker": bool(getattr(args, "with_worker", False))},
         "limits": {"default_max_tokens": args.output_len},
         "dataplane": {"enabled": False},
     }
@@ -218,6 +224,7 @@ _ROLES = (
     ("vllm.entrypoints.openai.api_server", "vllm API server"),
     ("ServeReplica:bench:Ingress", "our ingress + router"),
     ("ServeReplica:bench:ComputeWorker", "our worker (vLLM frontend)"),
+    ("ServeReplica:bench:Server", "our server (ingress + router + worker, vLLM frontend)"),
     ("ServeReplica:bench:Direct", "direct replica (vLLM frontend + HTTP)"),
     ("ProxyActor", "Serve HTTP proxy"),
     ("ServeController", "Serve controller"),
@@ -312,7 +319,15 @@ def main(argv=None) -> int:
         "--stream-max-messages-per-s", type=float, default=None,
         help="our engine.stream_max_messages_per_s (default: the config's)",
     )
+    p.add_argument(
+        "--stream-interval-ms", type=float, default=None,
+        help="our engine.stream_interval_ms (default: the config's)",
+    )
     add_ingress_option(p)
+    p.add_argument(
+        "--with-worker", action="store_true",
+        help="our app with ingress.with_worker (the ingress and its worker in one process)",
+    )
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)

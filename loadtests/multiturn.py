@@ -68,6 +68,7 @@ def app_args(
     kv_redis_url: Optional[str] = None,
     prefault_heap_bytes: Optional[int] = None,
     log_level: str = "INFO",
+    with_worker: bool = False,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
     if not l1:
@@ -77,6 +78,7 @@ def app_args(
         "engine": engine,
         "compute": {"num_replicas": 1, "num_cpus": 1},
         "router": {"max_batch_size": 1},
+        "ingress": {"with_worker": with_worker},
         "limits": {"default_max_tokens": 64},
         "dataplane": {
             "enabled": True,
@@ -130,10 +132,10 @@ def ttft_of_turn(client: httpx.Client, sid: str, text: str, reply_tokens: int) -
     return ttft
 
 
-def worker_kv_stats(app_name: str) -> dict:
+def worker_kv_stats(app_name: str, with_worker: bool = False) -> dict:
     from ray import serve
 
-    handle = serve.get_deployment_handle("ComputeWorker", app_name=app_name)
+    handle = serve.get_deployment_handle("Server" if with_worker else "ComputeWorker", app_name=app_name)
     return handle.kv_stats.remote().result(timeout_s=60)
 
 
@@ -184,6 +186,10 @@ def main(argv=None) -> int:
     )
     add_kv_redis_option(p)
     add_ingress_option(p)
+    p.add_argument(
+        "--with-worker", action="store_true",
+        help="ingress.with_worker: the ingress and its worker in one process (app/server.py)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
                 serve.run(
                     build_app(app_args(
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
-                        args.prefault_heap_bytes, args.log_level,
+                        args.prefault_heap_bytes, args.log_level, args.with_worker,
                     )),
                     name="bench",
                     route_prefix="/",
@@ -237,9 +243,9 @@ def main(argv=None) -> int:
                 for mode in modes:
                     # Distinct text per mode and round: one mode must not hit another's blocks.
                     seed = 1000 * rnd + 100 * list(runs).index(mode) + len(runs[mode])
-                    before = worker_kv_stats("bench")
+                    before = worker_kv_stats("bench", args.with_worker)
                     runs[mode].append(conversation(base_url, mode, args, seed, "bench"))
-                    after = worker_kv_stats("bench")
+                    after = worker_kv_stats("bench", args.with_worker)
                     kv[mode].append({k: after[k] - before[k] for k in after if isinstance(after[k], int)})
                     _say(f"  {mode} KV counters: {kv[mode][-1]}")
                 serve.shutdown()

@@ -92,6 +92,9 @@ class Router:
         self._tracer = telemetry.tracer(__name__)
         self._worker = worker.options(stream=True, _by_reference=False)
         self._capabilities_worker = worker
+        # False for the worker in this process (app/server.py): its death is this
+        # replica's, so a request it failed has nowhere else to go.
+        self._retries_elsewhere = getattr(worker, "retries_elsewhere", True)
         rc = self._config.router
         self._admission = Admission(rc.max_queue_depth)
         self._batcher: DynamicBatcher[_Queued] = DynamicBatcher(
@@ -318,7 +321,7 @@ class Router:
             except Exception as e:
                 ended = True
                 report_outcome(request.request_id, classify_outcome(e))
-                if client_has_tokens or retried or not is_retryable_death(e):
+                if client_has_tokens or retried or not is_retryable_death(e) or not self._retries_elsewhere:
                     raise
                 error = e
             finally:

@@ -1,0 +1,106 @@
+"""``ingress.with_worker``: the Ingress and its ComputeWorker in one replica (the "Server"
+deployment, app/server.py), with each engine. Next to the shared application (the usual
+layout, same engine and model), it answers the same requests with the same greedy
+tokens, streams, keeps a session's turns, answers bad input with the same errors, and
+its deployments are Server and DataPlane only (no Serve hop between ingress and worker)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.serve_app import app_args, deployed_app
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def with_worker_app(served_app, redis_server, http_port):
+    args = app_args(
+        served_app.model_path,
+        redis_server.url,
+        engine=served_app.config_args["engine"],
+        ingress={"with_worker": True},
+    )
+    name = f"with-worker-{served_app.engine}"
+    with deployed_app(args, name, f"/{name}", http_port, timeout_s=300) as base_url:
+        yield name, base_url
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_its_replicas_run_ingress_and_worker_in_one_process(with_worker_app):
+    from ray import serve
+
+    name, _ = with_worker_app
+    deployments = set(serve.status().applications[name].deployments)
+    assert deployments == {"Server", "DataPlane"}, deployments
+    # What tools read of a worker, from the Server's own.
+    server = serve.get_deployment_handle("Server", app_name=name)
+    assert server.stats.remote().result(timeout_s=60).num_running == 0
+    assert isinstance(server.kv_stats.remote().result(timeout_s=60), dict)
+
+
+def test_greedy_output_equals_the_usual_layouts(with_worker_app, served_app):
+    _, base_url = with_worker_app
+    kwargs = dict(model=served_app.model_id, prompt=PROMPT, max_tokens=12, temperature=0)
+    usual = served_app.client().completions.create(**kwargs)
+    ours = _client(base_url).completions.create(**kwargs)
+    assert ours.choices[0].text == usual.choices[0].text
+    assert ours.usage.completion_tokens == usual.usage.completion_tokens == 12
+    assert ours.usage.prompt_tokens == usual.usage.prompt_tokens
+
+
+def test_a_stream_has_its_deltas_finish_and_usage(with_worker_app, served_app):
+    _, base_url = with_worker_app
+    stream = _client(base_url).chat.completions.create(
+        model=served_app.model_id,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_a_session_keeps_its_turns(with_worker_app, served_app):
+    _, base_url = with_worker_app
+    sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
+    client = _client(base_url)
+    for question in ("Hello there", "And then?"):
+        reply = client.chat.completions.create(
+            model=served_app.model_id,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=6,
+            temperature=0,
+            extra_headers={"X-Session-Id": sid},
+        )
+        assert reply.choices[0].message.content
+    record = httpx.get(f"{base_url}/v1/sessions/{sid}", timeout=30).json()
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in record["messages"][::2]] == ["Hello there", "And then?"]
+
+
+def test_bad_input_gets_the_same_errors(with_worker_app, served_app):
+    _, base_url = with_worker_app
+    r = httpx.post(base_url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(
+        base_url + "/v1/completions",
+        json={"model": served_app.model_id, "prompt": "x", "max_tokens": 10**6},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(base_url + "/ready", timeout=30).json()["status"] == "ready"

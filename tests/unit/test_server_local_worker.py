@@ -1,0 +1,197 @@
+"""``ingress.with_worker`` (app/server.py): the Router drives a ComputeWorker in its own
+process through ``LocalWorkerHandle``. A real Router and a real ComputeWorker over a
+stand-in engine (pure unit test: no Ray cluster): the deltas arrive in order, a client
+that leaves mid-stream aborts the sequence in the engine, and the worker gets its own copy
+of the request."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.server import LocalWorkerHandle
+from deployments.compute.deployment import ComputeWorker
+from deployments.compute.engines.protocol import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationRequest,
+    SamplingParams,
+    TokenDelta,
+)
+from deployments.router.deployment import Router
+from loadtests.vllm_variants import parse_variant
+
+import pytest
+
+
+class _Engine:
+    capabilities = EngineCapabilities()
+
+    def __init__(self):
+        self.started: list[GenerationRequest] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+
+    async def start(self):
+        pass
+
+    async def generate(self, request):
+        self.started.append(request)
+        request.kv_lookup = "consumed by the engine"  # a field the engine may set
+        try:
+            for i in range(request.sampling.max_tokens):
+                await asyncio.sleep(0.002)
+                last = i + 1 == request.sampling.max_tokens
+                yield TokenDelta(text=f"t{i} ", token_ids=[10 + i], finish_reason="length" if last else None,
+                                 num_output_tokens=i + 1)
+            self.finished.append(request.request_id)
+        except GeneratorExit:
+            self.aborted.append(request.request_id)
+            raise
+
+    def stats(self):
+        return EngineStats(num_running=0, num_waiting=0)
+
+    async def check_health(self):
+        pass
+
+    async def shutdown(self):
+        pass
+
+
+CONFIG = {
+    "engine": {"warmup": False, "stream_interval_ms": 0, "stream_max_messages_per_s": 0},
+    "dataplane": {"enabled": False},
+    "telemetry": {"log_level": "INFO"},
+}
+
+
+async def _router_and_engine():
+    engine = _Engine()
+    worker = ComputeWorker.__new__(ComputeWorker)
+    await ComputeWorker.__init__(worker, CONFIG, engine_factory=lambda *a, **k: engine)
+    return Router(LocalWorkerHandle(worker), CONFIG), engine
+
+
+def _request(request_id: str, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+
+
+def test_the_router_streams_a_local_workers_deltas_in_order():
+    async def run():
+        router, engine = await _router_and_engine()
+        request = _request("r1", 5)
+        deltas = [d async for d in router.generate(request)]
+        return request, deltas, engine
+
+    request, deltas, engine = asyncio.run(run())
+    assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13, 14]
+    assert deltas[-1].finish_reason == "length" and engine.finished == ["r1"]
+    # The worker got a copy, as over a handle: what the engine set stays on its copy.
+    assert engine.started[0] is not request and request.kv_lookup is None
+
+
+def test_a_client_that_leaves_aborts_the_sequence_in_the_engine():
+    async def run():
+        router, engine = await _router_and_engine()
+        stream = router.generate(_request("r2", 1000))
+        first = await stream.__anext__()
+        await stream.aclose()  # what Starlette does when the client goes away
+        for _ in range(100):  # the worker's stream closes in a task of its own
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        return first, engine
+
+    first, engine = asyncio.run(run())
+    assert first.token_ids == [10]
+    assert engine.aborted == ["r2"] and engine.finished == []
+
+
+def test_capabilities_and_ready_answer_as_a_handles_would():
+    async def run():
+        router, engine = await _router_and_engine()
+        return await router.ready(), await router._capabilities_worker.capabilities.remote()
+
+    ready, caps = asyncio.run(run())
+    assert ready is True and caps == EngineCapabilities()
+
+
+@pytest.mark.parametrize(
+    ("text", "pin", "with_worker"),
+    [("15:500", False, False), ("15:500:pin", True, False), ("15:500:with_worker", False, True),
+     ("15:500:with_worker:pin", True, True)],
+)
+def test_variants_parse_their_flags(text, pin, with_worker):
+    v = parse_variant(text)
+    assert (v["interval_ms"], v["max_messages_per_s"], v["pin"], v["with_worker"]) == (15.0, 500.0, pin, with_worker)
+
+
+@pytest.mark.parametrize("text", ["15", "15:500:pinned", "15:500:pin:pin"])
+def test_a_bad_variant_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_variant(text)
+
+
+def test_the_server_deployment_takes_computes_options_plus_the_ingress_cpus():
+    from app.config import AppConfig
+    from app.server import server_deployment
+
+    cfg = AppConfig.model_validate(
+        {
+            "ingress": {"with_worker": True, "num_cpus": 0.5, "num_replicas": 7},
+            "compute": {"num_cpus": 2, "num_replicas": 3, "resources": {"compute_node": 0.01},
+                        "health_check_period_s": 4, "graceful_shutdown_timeout_s": 50},
+            "router": {"max_queue_depth": 100},
+        }
+    )
+    d = server_deployment(cfg)
+    assert d.name == "Server"
+    assert d.num_replicas == 3  # compute's, not ingress.num_replicas
+    assert d.ray_actor_options == {"num_cpus": 2.5, "num_gpus": 0.0, "resources": {"compute_node": 0.01}}
+    assert d.max_ongoing_requests == 200
+    assert d._deployment_config.health_check_period_s == 4
+    assert d._deployment_config.graceful_shutdown_timeout_s == 50
+
+    autoscaled = server_deployment(
+        AppConfig.model_validate({"compute": {"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 4}}})
+    )
+    assert autoscaled._deployment_config.autoscaling_config.max_replicas == 4
+
+    sharded = server_deployment(
+        AppConfig.model_validate(
+            {"engine": {"name": "vllm", "vllm": {"tensor_parallel_size": 2}}, "compute": {"num_cpus": 2}}
+        )
+    )
+    # The replica's own bundle holds the ingress's share too; one GPU bundle per shard.
+    assert sharded._replica_config.placement_group_bundles == [{"CPU": 2.25}, {"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}]
+    assert sharded.ray_actor_options["num_cpus"] == 2.25
+
+
+def test_a_dead_local_engine_fails_its_request_at_once_with_503():
+    from app.errors import to_api_error
+    from deployments.compute.engines.protocol import EngineDeadError
+
+    class _DeadEngine(_Engine):
+        async def generate(self, request):
+            raise EngineDeadError("the EngineCore died")
+            yield  # an async generator
+
+        async def check_health(self):
+            raise EngineDeadError("the EngineCore died")
+
+    async def run():
+        engine = _DeadEngine()
+        worker = ComputeWorker.__new__(ComputeWorker)
+        await ComputeWorker.__init__(worker, CONFIG | {"limits": {"request_timeout_s": 30}},
+                                     engine_factory=lambda *a, **k: engine)
+        router = Router(LocalWorkerHandle(worker), CONFIG | {"limits": {"request_timeout_s": 30}})
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineDeadError) as info:
+            async for _ in router.generate(_request("r3", 5)):
+                pass
+        return info.value, asyncio.get_running_loop().time() - started
+
+    error, took = asyncio.run(run())
+    # Not held for a retry on a worker that will never be ready (the deadline is 30 s).
+    assert took < 5, took
+    assert to_api_error(error).status_code == 503

@@ -12,27 +12,22 @@ from app.server import LocalWorkerHandle
 from deployments.compute.deployment import ComputeWorker
 from deployments.compute.engines.protocol import (
     EngineCapabilities,
-    EngineStats,
     GenerationRequest,
     SamplingParams,
     TokenDelta,
 )
 from deployments.router.deployment import Router
 from loadtests.vllm_variants import parse_variant
+from tests.fixtures.engines import StandInEngine
 
 import pytest
 
 
-class _Engine:
-    capabilities = EngineCapabilities()
-
+class _Engine(StandInEngine):
     def __init__(self):
         self.started: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []
-
-    async def start(self):
-        pass
 
     async def generate(self, request):
         self.started.append(request)
@@ -47,15 +42,6 @@ class _Engine:
         except GeneratorExit:
             self.aborted.append(request.request_id)
             raise
-
-    def stats(self):
-        return EngineStats(num_running=0, num_waiting=0)
-
-    async def check_health(self):
-        pass
-
-    async def shutdown(self):
-        pass
 
 
 CONFIG = {

@@ -14,25 +14,19 @@ import pytest
 
 from deployments.compute.deployment import ComputeWorker, _until_length_end
 from deployments.compute.engines.protocol import (
-    EngineCapabilities,
-    EngineStats,
     GenerationRequest,
     SamplingParams,
     TokenDelta,
 )
 from tests.fixtures.logs import messages_containing
+from tests.fixtures.engines import StandInEngine
 
 TOKEN_PERIOD_S = 0.005
 
 
-class _ClockEngine:
-    capabilities = EngineCapabilities()
-
+class _ClockEngine(StandInEngine):
     def __init__(self, eos_after: int | None = None):
         self.eos_after = eos_after
-
-    async def start(self):
-        pass
 
     async def generate(self, request):
         limit = request.sampling.max_tokens if self.eos_after is None else self.eos_after
@@ -48,15 +42,6 @@ class _ClockEngine:
                 sent = made
             else:
                 await asyncio.sleep(TOKEN_PERIOD_S / 5)
-
-    def stats(self):
-        return EngineStats(num_running=0, num_waiting=0)
-
-    async def check_health(self):
-        pass
-
-    async def shutdown(self):
-        pass
 
 
 class _SlowStartEngine(_ClockEngine):

@@ -54,11 +54,12 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def _empty_like_device(like: torch.Tensor, shape) -> torch.Tensor:
-    """An uninitialised buffer of ``shape`` with ``like``'s dtype and device."""
-    if like.device.type == "cpu":
-        return host_empty(shape, like.dtype)
-    return like.new_empty(shape)
+def _empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """An uninitialised KV buffer: from :func:`host_empty` on the CPU (the default
+    device), else torch's allocator for that device."""
+    if device is None or torch.device(device).type == "cpu":
+        return host_empty(shape, dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 def room_for(num_tokens: int) -> int:
@@ -113,7 +114,11 @@ class GrowableLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
             shape = list(key_states.shape)
             shape[_TOKENS_DIM] = new + room_for(new)
-            self._own(_empty_like_device(key_states, shape), _empty_like_device(value_states, shape), 0)
+            self._own(
+                _empty(shape, key_states.dtype, key_states.device),
+                _empty(shape, value_states.dtype, value_states.device),
+                0,
+            )
         elif self.keys is not self._views[0] or self.values is not self._views[1]:
             # Assigned from outside: adopted with no room (never written into).
             self._own(self.keys, self.values, self.keys.shape[_TOKENS_DIM])
@@ -121,7 +126,8 @@ class GrowableLayer(DynamicLayer):
         if n + new > self._kbuf.shape[_TOKENS_DIM]:
             shape = list(self._kbuf.shape)
             shape[_TOKENS_DIM] = n + new + room_for(n + new)
-            kbuf, vbuf = _empty_like_device(self._kbuf, shape), _empty_like_device(self._vbuf, shape)
+            kbuf = _empty(shape, self._kbuf.dtype, self._kbuf.device)
+            vbuf = _empty(shape, self._vbuf.dtype, self._vbuf.device)
             kbuf.narrow(_TOKENS_DIM, 0, n).copy_(self.keys)
             vbuf.narrow(_TOKENS_DIM, 0, n).copy_(self.values)
             self._kbuf, self._vbuf = kbuf, vbuf
@@ -158,11 +164,7 @@ def empty_with_room(shape, room: int, *, dtype: torch.dtype, device=None) -> tor
     the leading part of a buffer with ``room`` more tokens (see :func:`room_buffer`)."""
     full = list(shape)
     full[_SPAN_TOKENS_DIM] += max(0, int(room))
-    if device is None or torch.device(device).type == "cpu":
-        buf = host_empty(full, dtype)
-    else:
-        buf = torch.empty(full, dtype=dtype, device=device)
-    return buf.narrow(_SPAN_TOKENS_DIM, 0, shape[_SPAN_TOKENS_DIM])
+    return _empty(full, dtype, device).narrow(_SPAN_TOKENS_DIM, 0, shape[_SPAN_TOKENS_DIM])
 
 
 def room_buffer(span: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.config import AppConfig
 from app.ingress import IngressDeployment, _LocalStream
-from deployments.compute.deployment import (
-    ComputeWorker,
-    drain_options,
-    placement_options,
-    replica_count_options,
-)
+from deployments.compute.deployment import ComputeWorker, worker_replica_options
 
 logger = logging.getLogger("ray.serve")
 
@@ -122,24 +117,20 @@ class Server(IngressDeployment):
 
 
 def server_deployment(config: AppConfig):
-    """The Server deployment: compute's replicas, autoscaling, draining, health checks and
-    resources, with ``ingress.num_cpus`` more per replica (the ingress's share)."""
-    compute = config.compute
-    placement = placement_options(config)
-    actor = dict(placement["ray_actor_options"])
+    """The Server deployment: a ComputeWorker replica's options (count or autoscaling,
+    draining, health checks, placement) with ``ingress.num_cpus`` more per replica (the
+    ingress's share)."""
+    options = worker_replica_options(config)
+    actor = dict(options["ray_actor_options"])
     actor["num_cpus"] = actor["num_cpus"] + config.ingress.num_cpus
-    placement["ray_actor_options"] = actor
-    if "placement_group_bundles" in placement:
-        bundles = [dict(b) for b in placement["placement_group_bundles"]]
+    options["ray_actor_options"] = actor
+    if "placement_group_bundles" in options:
+        bundles = [dict(b) for b in options["placement_group_bundles"]]
         bundles[0]["CPU"] = actor["num_cpus"]  # the replica's own bundle
-        placement["placement_group_bundles"] = bundles
+        options["placement_group_bundles"] = bundles
     return serve.deployment(Server).options(
         name="Server",
-        **replica_count_options(config),
-        **drain_options(config),
+        **options,
         # The ingress admits up to router.max_queue_depth itself (429 past it).
         max_ongoing_requests=config.router.max_queue_depth * 2,
-        health_check_period_s=compute.health_check_period_s,
-        health_check_timeout_s=compute.health_check_timeout_s,
-        **placement,
     )

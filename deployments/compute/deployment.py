@@ -433,15 +433,10 @@ def worker_deployment(config: AppConfig):
 
     from deployments.router.placement import router_kwargs
 
-    compute = config.compute
     return serve.deployment(ComputeWorker).options(
         name="ComputeWorker",
-        **replica_count_options(config),
-        **drain_options(config),
-        max_ongoing_requests=compute.max_ongoing_requests,
-        health_check_period_s=compute.health_check_period_s,
-        health_check_timeout_s=compute.health_check_timeout_s,
-        **placement_options(config),
+        **worker_replica_options(config),
+        max_ongoing_requests=config.compute.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router.placement:QueueAwareRequestRouter",
             request_routing_stats_period_s=0.5,
@@ -449,6 +444,19 @@ def worker_deployment(config: AppConfig):
             request_router_kwargs=router_kwargs(config),
         ),
     )
+
+
+def worker_replica_options(config: AppConfig) -> dict:
+    """How the replicas that run a ComputeWorker (the ComputeWorker deployment's, or
+    app/server.py's Server) are counted or autoscaled, drained, health-checked and placed."""
+    compute = config.compute
+    return {
+        **replica_count_options(config),
+        **drain_options(config),
+        "health_check_period_s": compute.health_check_period_s,
+        "health_check_timeout_s": compute.health_check_timeout_s,
+        **placement_options(config),
+    }
 
 
 def replica_count_options(config: AppConfig) -> dict:

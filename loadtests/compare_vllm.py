@@ -187,20 +187,24 @@ class OurApp:
         self.port = port
         self.running = False
 
+    def application(self):
+        """The Serve application to run (a subclass may run another)."""
+        from app.builder import build_app
+
+        return build_app(self.app_args)
+
     def start(self, timeout_s: float) -> float:
         import ray
         from ray import serve
 
-        from app.builder import build_app
+        from app.builder import use_serve_process_env
 
         started = time.monotonic()
         self.running = True
-        from app.builder import use_serve_process_env
-
         use_serve_process_env(self.ingress)  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        serve.run(build_app(self.app_args), name="bench", route_prefix="/", blocking=False)
+        serve.run(self.application(), name="bench", route_prefix="/", blocking=False)
         wait_http(f"http://127.0.0.1:{self.port}/ready", timeout_s)
         return time.monotonic() - started
 

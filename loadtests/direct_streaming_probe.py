@@ -77,25 +77,21 @@ class Direct:
 
 
 class DirectApp(cv.OurApp):
-    """A local Ray with the ``Direct`` replica (the vLLM engine as our config sets it up)."""
+    """A local Ray with the ``Direct`` replica (the vLLM engine as our config sets it up),
+    behind HAProxy."""
 
-    def start(self, timeout_s: float) -> float:
-        import ray
+    def __init__(self, model_path, args, port: int):
+        super().__init__(model_path, args, port)
+        self.ingress = "haproxy"
 
-        from app.builder import THROUGHPUT_ENV, use_serve_process_env
+    def application(self):
+        from app.builder import THROUGHPUT_ENV
         from app.config import AppConfig
         from deployments.compute.deployment import placement_options
 
-        started = time.monotonic()
-        self.running = True
-        use_serve_process_env("haproxy")
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         opts = placement_options(AppConfig.model_validate(self.app_args))
         opts["ray_actor_options"]["runtime_env"] = {"env_vars": dict(THROUGHPUT_ENV)}
-        serve.run(Direct.options(**opts).bind(self.app_args), name="bench", route_prefix="/", blocking=False)
-        cv.wait_http(f"http://127.0.0.1:{self.port}/ready", timeout_s)
-        return time.monotonic() - started
+        return Direct.options(**opts).bind(self.app_args)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from deployments.dataplane.connector import resolve_block_refs
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
-from tests.fixtures.logs import messages_containing
+from tests.fixtures.logs import messages_containing, serve_log_captured
 
 pytestmark = pytest.mark.integration
 
@@ -281,19 +281,18 @@ async def test_put_of_a_list_of_block_arrays(redis_server):
 
 async def test_an_l3_read_logs_where_its_time_went_at_debug(redis_server, caplog):
     dp = dataplane(redis_server.url)
-    serve_log = logging.getLogger("ray.serve")  # the replicas' log (Ray may stop its propagation)
     try:
         blocks = [block(50_000, i) for i in range(3)]
         assert await dp.put_blocks_packed("io", ["dA", "dB", "dC"], *pack_blocks(blocks)) == 3
         await dp.flush_l2()
-        # After the first put: it starts Ray in this process, whose logging setup replaces
-        # the handlers of "ray.serve" (the test passed only after another had started Ray).
-        serve_log.addHandler(caplog.handler)
-        with caplog.at_level(logging.INFO, logger="ray.serve"):
+        # Captured after the first put: it starts Ray in this process, whose logging setup
+        # replaces the handlers of "ray.serve" (the test passed only after another had
+        # started Ray).
+        with serve_log_captured(caplog, logging.INFO):
             assert await dp.get_blocks("io", ["dA", "dB"]) == blocks[:2]
         assert not messages_containing(caplog, "read from L3")
         await dp.flush_l2()
-        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
+        with serve_log_captured(caplog, logging.DEBUG):
             assert await dp.get_blocks("io", ["dA", "dB", "dC"]) == blocks
             assert await dp.get_blocks("io", ["dA", "dB", "dC"]) == blocks  # from L2: no line
         lines = messages_containing(caplog, "read from L3")
@@ -304,7 +303,6 @@ async def test_an_l3_read_logs_where_its_time_went_at_debug(redis_server, caplog
             lines[0],
         ), lines[0]
     finally:
-        serve_log.removeHandler(caplog.handler)
         await dp.shutdown()
 
 

@@ -17,7 +17,7 @@ from deployments.compute.engines.kv_codec import decode_kv_blocks
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, SamplingParams
 from deployments.compute.engines.torch_engine import TorchEngine
 from tests.fixtures.kv import DictKVConnector
-from tests.fixtures.logs import messages_containing
+from tests.fixtures.logs import messages_containing, serve_log_captured
 
 BLOCK = 8
 PROMPTS = [
@@ -184,13 +184,8 @@ async def test_an_import_logs_its_parts_and_its_decode_faults_at_debug(engine, c
     page faults of its decode, whose fresh buffer pages are most of a slow decode here."""
     ids = encode(engine, PROMPTS[0])
     await run_and_export(engine, make_request("log-prime", ids))
-    serve_log = logging.getLogger("ray.serve")  # the engine's logger (Ray may stop its propagation)
-    serve_log.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
-            await collect(engine, make_request("log-import", ids))
-    finally:
-        serve_log.removeHandler(caplog.handler)
+    with serve_log_captured(caplog, logging.DEBUG):  # the engine's logger
+        await collect(engine, make_request("log-import", ids))
     lines = messages_containing(caplog, "kv prefix fetched")
     assert len(lines) == 1, lines
     assert re.search(

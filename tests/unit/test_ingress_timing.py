@@ -12,7 +12,7 @@ from app.ingress import Ingress
 from app.schemas import ChatCompletionRequest
 from app import telemetry
 from deployments.compute.engines.protocol import TokenDelta
-from tests.fixtures.logs import messages_containing
+from tests.fixtures.logs import log_fields, messages_containing, serve_log_captured
 
 PROMPT_DELAY_S = 0.2
 
@@ -77,14 +77,10 @@ async def _serve(ing, stream: bool) -> bytes:
 
 
 def _request_done(ing, caplog, stream: bool) -> tuple[bytes, dict]:
-    logging.getLogger("ray.serve").addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="ray.serve"):
-            body = asyncio.run(_serve(ing, stream))
-    finally:
-        logging.getLogger("ray.serve").removeHandler(caplog.handler)
+    with serve_log_captured(caplog, logging.INFO):
+        body = asyncio.run(_serve(ing, stream))
     [line] = messages_containing(caplog, "request done")
-    return body, dict(part.split("=", 1) for part in line.split() if "=" in part)
+    return body, log_fields(line)
 
 
 def test_ttft_counts_the_time_spent_building_the_prompt(caplog):

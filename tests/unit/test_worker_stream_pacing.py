@@ -18,7 +18,7 @@ from deployments.compute.engines.protocol import (
     SamplingParams,
     TokenDelta,
 )
-from tests.fixtures.logs import messages_containing
+from tests.fixtures.logs import log_fields, messages_containing, serve_log_captured
 from tests.fixtures.engines import StandInEngine
 
 TOKEN_PERIOD_S = 0.005
@@ -97,16 +97,11 @@ def test_a_stream_that_ends_early_still_waits_out_its_interval():
 
 
 def test_the_first_delta_logs_the_workers_part_of_ttft_at_debug(caplog):
-    logger = logging.getLogger("ray.serve")
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="ray.serve"):
-            [(deltas, _)] = asyncio.run(_streams(_SlowStartEngine(0.15), max_tokens=[20], interval_ms=10, log_level="DEBUG"))
-    finally:
-        logger.removeHandler(caplog.handler)
+    with serve_log_captured(caplog, logging.DEBUG):
+        [(deltas, _)] = asyncio.run(_streams(_SlowStartEngine(0.15), max_tokens=[20], interval_ms=10, log_level="DEBUG"))
     assert len(deltas) > 1
     [line] = messages_containing(caplog, "first delta:")  # once a request, not per delta
-    fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    fields = log_fields(line)
     assert fields["request"] == "r0" and fields["prompt_tokens"] == "3"
     assert 150 <= float(fields["worker_ms"]) < 1000
 

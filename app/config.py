@@ -359,16 +359,29 @@ class IngressConfig(_Strict):
     # With the defaults every deployment fits Ray's 2 logical CPUs of a 2-core laptop
     # (`serve run` without a cluster): ingress 0.25 (with its router) + worker 1 + 2 × 0.25.
     num_cpus: float = Field(default=0.25, ge=0, le=64)
-    with_worker: bool = Field(
-        default=False,
+    with_worker: Optional[bool] = Field(
+        default=None,
         description="Run each ComputeWorker in the process of an Ingress replica (one "
         "deployment, 'Server', with compute's replica count, autoscaling and resources "
         "plus ingress.num_cpus): a token goes from the engine to the HTTP response "
-        "without a Serve hop. Meant for the vLLM engine, which batches by itself; requests "
-        "are spread over replicas by the HTTP proxy (Serve's or HAProxy), not by the "
-        "router's placement, and a session's KV reaches any replica through the data "
-        "plane. ingress.num_replicas does not apply.",
+        "without a Serve hop. Requests are spread over replicas by the HTTP proxy "
+        "(Serve's or HAProxy), not by the router's placement; a session's KV reaches any "
+        "replica through the data plane; a request a dead engine failed before its first "
+        "token is retried on a peer replica (or the dead one's replacement). "
+        "ingress.num_replicas does not apply. Unset: on for the vLLM engine (which batches "
+        "by itself) when there is one worker replica and one ingress replica, so no "
+        "placement is given up; off otherwise.",
     )
+
+    def resolve_with_worker(self, engine: str, compute: "ComputeConfig") -> bool:
+        if self.with_worker is not None:
+            return self.with_worker
+        return (
+            engine == "vllm"
+            and not compute.autoscaling.enabled
+            and compute.num_replicas == 1
+            and self.num_replicas == 1
+        )
 
 
 class TelemetryConfig(_Strict):
@@ -566,6 +579,11 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "AppConfig":
+        # The layout is decided once, here: every reader (builder, CLI, deployments) sees
+        # a bool. (The models are frozen; this replaces the section before anyone has it.)
+        if self.ingress.with_worker is None:
+            resolved = self.ingress.resolve_with_worker(self.engine.name, self.compute)
+            object.__setattr__(self, "ingress", self.ingress.model_copy(update={"with_worker": resolved}))
         if self.router.max_batch_size > self.compute.max_ongoing_requests:
             raise ValueError(
                 f"router.max_batch_size ({self.router.max_batch_size}) must not exceed "

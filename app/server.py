@@ -12,25 +12,37 @@ generator to the SSE body in the same event loop.
 
 What changes with it: there is no router placement across replicas (the HTTP proxy,
 Serve's or HAProxy, spreads requests; a session's KV blocks reach whichever replica
-serves its next turn through the data plane); a replica whose engine dies takes its
-ingress with it (Serve replaces the whole replica, its in-flight requests fail); the
-replica count, autoscaling, draining and resources are compute's (plus
-``ingress.num_cpus``). Everything the ingress checks, and every error it answers, is
-the same code.
+serves its next turn through the data plane); the replica count, autoscaling, draining
+and resources are compute's (plus ``ingress.num_cpus``). Everything the ingress checks,
+and every error it answers, is the same code.
+
+When the engine dies, the replica's health check fails and Serve replaces the whole
+replica, stopping the old one gracefully: it keeps its in-flight requests. A request
+that had no token yet is retried as in the other layout, only on a peer: the router's
+retry waits for a Server replica whose engine answers ``ready`` (another replica, or
+with one replica its replacement) and streams from it through this replica
+(:class:`LocalWorkerHandle` switches to the deployment's own handle once the local
+engine is dead).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
-from typing import Optional
+import time
+from typing import AsyncIterator, Optional
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
+from ray.util import metrics
 
 from app.config import AppConfig
 from app.ingress import IngressDeployment, _LocalStream
 from deployments.compute.deployment import ComputeWorker, worker_replica_options
+from deployments.compute.engines.protocol import TokenDelta
+from deployments.router.deployment import is_retryable_death
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,29 +59,91 @@ class _LocalMethod:
         return self._call(*args, **kwargs)
 
 
+# How long a peer call that lands on a replica whose engine is dead too (this one, until
+# Serve stops routing to it) is made again, before its error goes to the router.
+PEER_ROUTING_RETRY_S = 10.0
+PEER_ROUTING_RETRY_INTERVAL_S = 0.25
+
+
 class LocalWorkerHandle:
     """A ComputeWorker in this process behind the part of a DeploymentHandle the Router
     uses: ``options()``, ``generate.remote()`` (a stream of deltas with ``cancel()``,
     which closes the worker's generator and so aborts the sequence in the engine),
-    ``capabilities.remote()`` and ``ready.remote()`` (awaitables)."""
+    ``capabilities.remote()`` and ``ready.remote()`` (awaitables).
 
-    # Its engine's death is this replica's: the router answers the request's error at
-    # once (503) instead of waiting for a worker to try it again on.
-    retries_elsewhere = False
+    Once the local engine is dead, ``generate`` and ``ready`` go to the peers: the Server
+    deployment's own replicas, through ``peers`` (a DeploymentHandle to it; None outside
+    Serve, where a request the dead engine failed has nowhere else to go)."""
 
-    def __init__(self, worker: ComputeWorker):
+    def __init__(self, worker: ComputeWorker, peers: Optional[DeploymentHandle] = None):
         self._worker = worker
+        self._peers = peers
+        self._engine_dead = False
+        self._m_peer_calls = metrics.Counter(
+            "llm_server_peer_calls",
+            "Calls a Server replica whose engine died made to a peer's worker, by result: "
+            "streamed (the peer answered), dead_replica (it landed on a dead engine too and "
+            "was routed again), failed (its error went to the router).",
+            tag_keys=("result",),
+        )
         self.generate = _LocalMethod(self._generate)
         self.capabilities = _LocalMethod(self._capabilities)
-        self.ready = _LocalMethod(worker.ready)
+        self.ready = _LocalMethod(self._ready)
+
+    @property
+    def retries_elsewhere(self) -> bool:
+        # Read by the router: without peers a dead engine's request gets its 503 at once.
+        return self._peers is not None
 
     def options(self, **_kwargs) -> "LocalWorkerHandle":
         return self
 
+    async def _local_dead(self) -> bool:
+        if not self._engine_dead and self._peers is not None:
+            self._engine_dead = await self._worker.engine_dead()
+            if self._engine_dead:
+                logger.warning("the local engine is dead: requests retried from here go to a peer Server replica")
+        return self._engine_dead
+
     def _generate(self, request, batch_key: Optional[str] = None) -> _LocalStream:
         # A copy, as a handle call would pass: the worker's engine fills in fields of its
         # own (the router may send the same request again after a failure).
+        if self._engine_dead:
+            return _LocalStream(self._from_peer(request, batch_key))
         return _LocalStream(self._worker.generate(copy.copy(request), batch_key))
+
+    async def _from_peer(self, request, batch_key: Optional[str]) -> AsyncIterator[TokenDelta]:
+        """A peer's deltas. A call that fails before its first delta because it landed on
+        a replica whose engine is dead too (this one, until Serve stops routing to it) is
+        made again for up to ``PEER_ROUTING_RETRY_S``: that is routing, not a second run."""
+        give_up_at = time.monotonic() + PEER_ROUTING_RETRY_S
+        while True:
+            stream = self._peers.options(stream=True).worker_generate.remote(request, batch_key)
+            started = done = False
+            try:
+                async for delta in stream:
+                    started = True
+                    yield delta
+                done = True
+                self._m_peer_calls.inc(tags={"result": "streamed"})
+                return
+            except Exception as e:
+                done = True
+                if started or not is_retryable_death(e) or time.monotonic() >= give_up_at:
+                    self._m_peer_calls.inc(tags={"result": "failed"})
+                    raise
+                self._m_peer_calls.inc(tags={"result": "dead_replica"})
+                logger.info("peer call for request %s reached a dead engine (%s); routing again",
+                            request.request_id, type(e).__name__)
+            finally:
+                if not done:  # the client left or the router cancelled: stop the peer's work
+                    stream.cancel()
+            await asyncio.sleep(PEER_ROUTING_RETRY_INTERVAL_S)
+
+    async def _ready(self) -> bool:
+        if await self._local_dead():
+            return await self._peers.worker_ready.remote()
+        return await self._worker.ready()
 
     async def _capabilities(self):
         return self._worker.capabilities()
@@ -83,7 +157,7 @@ class Server(IngressDeployment):
         await ComputeWorker.__init__(worker, config, dataplane)
         self._local_worker = worker
         try:
-            await super().__init__(LocalWorkerHandle(worker), config, dataplane)
+            await super().__init__(LocalWorkerHandle(worker, _own_deployment_handle()), config, dataplane)
         except BaseException:
             # Serve retries a replica whose constructor failed: do not leave this one's
             # engine (vLLM's processes) behind.
@@ -98,12 +172,23 @@ class Server(IngressDeployment):
     def record_autoscaling_stats(self) -> dict:
         return self._local_worker.record_autoscaling_stats()
 
+    # A peer's retry of a request this replica's dead engine failed (LocalWorkerHandle).
+    async def worker_generate(self, request, batch_key: Optional[str] = None) -> AsyncIterator[TokenDelta]:
+        async for delta in self._local_worker.generate(request, batch_key):
+            yield delta
+
+    async def worker_ready(self) -> bool:
+        return await self._local_worker.ready()
+
     # What tools read of a ComputeWorker through a handle (loadtests, tests).
     def stats(self):
         return self._local_worker.stats()
 
     def kv_stats(self) -> dict:
         return self._local_worker.kv_stats()
+
+    def debug_kill_engine(self) -> list[int]:
+        return self._local_worker.debug_kill_engine()
 
     async def __del__(self):
         # Serve calls this after the replica's in-flight requests finished: the worker's
@@ -114,6 +199,16 @@ class Server(IngressDeployment):
                 await worker.__del__()
         finally:
             await super().__del__()  # the ASGI app's lifespan shutdown
+
+
+def _own_deployment_handle() -> Optional[DeploymentHandle]:
+    """A handle to this replica's own deployment (its peers, and itself), or None outside
+    a Serve replica (unit tests)."""
+    try:
+        ctx = serve.get_replica_context()
+    except RayServeException:  # not inside a replica
+        return None
+    return serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
 
 
 def server_deployment(config: AppConfig):

@@ -4,8 +4,10 @@
 
 On the tiny checkpoint (``models/tiny``, built if missing) it alternates, in each round:
 
-* (a) ``ours``: a local Ray and our application (ingress → router → ComputeWorker with
-  ``engine.name: vllm``; data plane off, as plain vLLM has none), then ``ray.shutdown()``;
+* (a) ``ours``: a local Ray and our application with ``engine.name: vllm`` in its default
+  layout (one Server replica: ingress, router and ComputeWorker in one process;
+  ``--apart`` for the ingress and worker as two deployments; data plane off, as plain
+  vLLM has none), then ``ray.shutdown()``;
 * (b) ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` in its own process group
   (the ``vllm`` CLI trips over this package's name), then the whole group is stopped.
 
@@ -67,7 +69,9 @@ def app_args(model_path: Path, args) -> dict:
         # all cores, as plain vLLM's torch uses by default.
         "compute": {"num_replicas": 1, "num_cpus": os.cpu_count() or 1},
         "router": {"max_queue_depth": 1024},
-        "ingress": {"with_worker": bool(getattr(args, "with_worker", False))},
+        # None: the config's default (the ingress and its worker in one process, for one
+        # vLLM replica); --with-worker / --apart say it outright.
+        "ingress": {} if getattr(args, "with_worker", None) is None else {"with_worker": args.with_worker},
         "limits": {"default_max_tokens": args.output_len},
         "dataplane": {"enabled": False},
     }
@@ -328,9 +332,15 @@ def main(argv=None) -> int:
         help="our engine.stream_interval_ms (default: the config's)",
     )
     add_ingress_option(p)
-    p.add_argument(
-        "--with-worker", action="store_true",
-        help="our app with ingress.with_worker (the ingress and its worker in one process)",
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--with-worker", dest="with_worker", action="store_const", const=True, default=None,
+        help="our app with ingress.with_worker: true (the ingress and its worker in one "
+        "process; the default for one vLLM replica)",
+    )
+    layout.add_argument(
+        "--apart", dest="with_worker", action="store_const", const=False,
+        help="our app with ingress.with_worker: false (the ingress and its worker apart)",
     )
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)

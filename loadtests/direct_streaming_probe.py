@@ -1,7 +1,8 @@
 """A probe of a design this app does not have yet, for issue #4: vLLM and the OpenAI
 endpoint in one Serve replica behind HAProxy ("direct streaming", as Ray Serve LLM's
 experimental mode does it), so that a token crosses no second Python process, against
-plain vLLM (and our app) with ``compare_vllm``'s load, alternated.
+plain vLLM (and our app, in its default layout for one vLLM replica: the ingress and its
+worker in one process) with ``compare_vllm``'s load, alternated.
 
     python -m loadtests.direct_streaming_probe [--rounds 3] [--concurrency 8,32]
         [--systems direct,vllm,ours] [--out FILE.json]

@@ -2,7 +2,7 @@
 and where the front end runs. What ``compare_vllm`` cannot show, since its gap to plain
 vLLM moves by tens of percent between minutes on a shared machine.
 
-    python -m loadtests.vllm_variants [--variants 15:500,0:0,15:500:pin,15:500:with_worker] [--rounds 2]
+    python -m loadtests.vllm_variants [--variants 15:500,0:0,15:500:pin,15:500:apart] [--rounds 2]
         [--concurrency 8,32] [--prompts-per-slot 24] [--out FILE.json]
 
 A variant is ``INTERVAL_MS:MAX_MESSAGES_PER_S`` (``engine.stream_interval_ms`` and
@@ -11,8 +11,10 @@ session (and this one, the load) off the cores vLLM's CPU build binds its forwar
 to, while the variant runs. vLLM's CPU build binds the forward's OpenMP threads to all
 cores but the ones it reserves (one on this 2-core VM) and leaves its scheduler and
 frontend free to run anywhere; ``:pin`` asks whether keeping our front end off the
-forward's core pays; ``:with_worker`` runs it with ``ingress.with_worker`` (the ingress and
-its worker in one process, app/server.py). Each variant starts its own Ray and application (as
+forward's core pays. The layout is the app's default for one vLLM replica (the ingress and
+its worker in one process, ``ingress.with_worker``, app/server.py); ``:apart`` runs the
+ingress and its worker as two deployments (``with_worker: false``), ``:with_worker`` says
+the default outright. Each variant starts its own Ray and application (as
 ``compare_vllm`` does, behind ``--ingress``, HAProxy by default here), runs each
 concurrency level (completions, 128-token prompts, 64 output tokens, streaming), and stops
 them; variants alternate within each round. Printed and stored per level: output tokens/s,
@@ -39,20 +41,26 @@ def _say(msg: str) -> None:
     print(f"[vllm_variants] {msg}", file=sys.stderr, flush=True)
 
 
-VARIANT_FLAGS = ("pin", "with_worker")
+VARIANT_FLAGS = ("pin", "with_worker", "apart")
 
 
 def parse_variant(text: str) -> dict:
     parts = text.split(":")
     flags = parts[2:]
-    if len(parts) < 2 or any(f not in VARIANT_FLAGS for f in flags) or len(set(flags)) != len(flags):
-        raise ValueError(f"a variant is INTERVAL_MS:MAX_MESSAGES_PER_S[:pin][:with_worker], not {text!r}")
+    if (
+        len(parts) < 2
+        or any(f not in VARIANT_FLAGS for f in flags)
+        or len(set(flags)) != len(flags)
+        or {"with_worker", "apart"} <= set(flags)
+    ):
+        raise ValueError(f"a variant is INTERVAL_MS:MAX_MESSAGES_PER_S[:pin][:with_worker|:apart], not {text!r}")
     return {
         "name": text,
         "interval_ms": float(parts[0]),
         "max_messages_per_s": float(parts[1]),
         "pin": "pin" in flags,
-        "with_worker": "with_worker" in flags,
+        # None: the config's default layout.
+        "with_worker": True if "with_worker" in flags else False if "apart" in flags else None,
     }
 
 
@@ -143,8 +151,8 @@ def main(argv=None) -> int:
                 args.stream_max_messages_per_s = variant["max_messages_per_s"]
                 app = OurApp(model_path, args, args.port)
                 app.app_args["engine"]["stream_interval_ms"] = variant["interval_ms"]
-                if variant["with_worker"]:
-                    app.app_args["ingress"]["with_worker"] = True
+                if variant["with_worker"] is not None:
+                    app.app_args["ingress"]["with_worker"] = variant["with_worker"]
                 _say(f"round {rnd}/{args.rounds}: starting {variant['name']}")
                 try:
                     app.start(args.start_timeout_s)

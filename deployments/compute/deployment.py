@@ -250,7 +250,7 @@ class ComputeWorker:
                 # A request failed by an engine that died with it (the torch loop fails
                 # its requests with the step's error) reports the death, so the router
                 # can send it elsewhere when no token was out yet.
-                if not isinstance(e, EngineDeadError) and await self._engine_dead():
+                if not isinstance(e, EngineDeadError) and await self.engine_dead():
                     raise EngineDeadError(f"the engine died: {e}") from e
                 raise
             finally:
@@ -288,7 +288,7 @@ class ComputeWorker:
         # Serve replaces the replica when this raises (engine thread or process died).
         await self._engine.check_health()
 
-    async def _engine_dead(self) -> bool:
+    async def engine_dead(self) -> bool:
         try:
             await self._engine.check_health()
         except EngineDeadError:

@@ -92,8 +92,8 @@ class Router:
         self._tracer = telemetry.tracer(__name__)
         self._worker = worker.options(stream=True, _by_reference=False)
         self._capabilities_worker = worker
-        # False for the worker in this process (app/server.py): its death is this
-        # replica's, so a request it failed has nowhere else to go.
+        # False for a worker in this process without peers (app/server.py, outside
+        # Serve): a request its dead engine failed has nowhere else to go.
         self._retries_elsewhere = getattr(worker, "retries_elsewhere", True)
         rc = self._config.router
         self._admission = Admission(rc.max_queue_depth)

@@ -1,7 +1,11 @@
 """Engine death in a live app, for each engine: the stream that was producing tokens ends
 with an error event and ``[DONE]``; requests that had no token yet (queued in the engine)
 and requests sent during the outage are retried once by the router and succeed; Serve's
-health check replaces the replica; ``/ready`` comes back.
+health check replaces the replica; ``/ready`` comes back. Each engine runs in its default
+layout. With torch the ingress and its worker are apart, and the retry waits for the new
+worker replica. With vLLM they share the "Server" replica that dies with its engine:
+Serve stops it gracefully, and its router's retry goes to the replacement replica (a
+peer, app/server.py) while the old one holds the client's connection.
 
 Runs its own application ("faults" at "/faults", one worker replica running one sequence
 at a time, so the others queue, and a 1 s health check) beside the shared "llm" app,
@@ -19,7 +23,14 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import ENGINE_ARGS, app_args, vllm_importable, wait_for, wait_ready
+from tests.fixtures.serve_app import (
+    ENGINE_ARGS,
+    app_args,
+    vllm_importable,
+    wait_for,
+    wait_ready,
+    worker_deployment_name,
+)
 
 HEAP_PREFAULT_BYTES = 64 << 20
 
@@ -56,7 +67,9 @@ def faults_app(request, ray_cluster, redis_server, http_port):
         get_model_path("tiny"),
         redis_server.url,
         engine=engine_args,
-        compute={"health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
+        # A stopping Server replica keeps the requests it retries on its replacement for
+        # up to graceful_shutdown_timeout_s: longer than the replacement's start.
+        compute={"health_check_period_s": 1.0, "health_check_timeout_s": 5.0, "graceful_shutdown_timeout_s": 300},
         limits={"request_timeout_s": REQUEST_TIMEOUT_S},
         dataplane={"enabled": False},
         # Off by default (it slowed L3 loads, loadtests/README.md); on here, small, so that
@@ -69,7 +82,7 @@ def faults_app(request, ray_cluster, redis_server, http_port):
         serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
         wait_ready(base_url, timeout_s=240)
         budget_s = max(RECOVERY_FLOOR_S, time.monotonic() - started + RECOVERY_SLACK_S)
-        handle = serve.get_deployment_handle("ComputeWorker", app_name=APP_NAME)
+        handle = serve.get_deployment_handle(worker_deployment_name(APP_NAME), app_name=APP_NAME)
         yield engine, base_url, handle, budget_s
     finally:
         serve.delete(APP_NAME)
@@ -131,7 +144,7 @@ def _complete(base_url: str) -> tuple[int, dict, float]:
 def _worker_replicas() -> set[str]:
     import ray
 
-    prefix = f"SERVE_REPLICA::{APP_NAME}#ComputeWorker#"
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{worker_deployment_name(APP_NAME)}#"
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
 
 
@@ -209,6 +222,13 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
 
     # Each retry was counted (the metric reaches /metrics within a few report intervals).
     assert wait_for(lambda: _retries_counted(base_url) >= 1, 30, "llm_router_retries in /metrics")
+    if worker_deployment_name(APP_NAME) == "Server":
+        # ...and, in one process with its engine, went to a peer (the replacement).
+        assert wait_for(
+            lambda: sum(_metric_values(base_url, "ray_llm_server_peer_calls", result="streamed")) >= 1,
+            30,
+            "llm_server_peer_calls{result=streamed} in /metrics",
+        )
 
 
 def _metric_values(base_url: str, name: str, **labels) -> list[float]:

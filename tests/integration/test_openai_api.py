@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH
+from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH, worker_handle
 
 pytestmark = pytest.mark.integration
 
@@ -295,10 +295,7 @@ def test_queue_full_gets_429_with_retry_after(served_app):
 
 
 def worker_stats():
-    from ray import serve
-
-    handle = serve.get_deployment_handle("ComputeWorker", app_name="llm")
-    return handle.stats.remote().result(timeout_s=30)
+    return worker_handle("llm").stats.remote().result(timeout_s=30)
 
 
 def test_dropped_stream_aborts_generation_and_service_stays_healthy(served_app):

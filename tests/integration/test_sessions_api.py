@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.serve_app import wait_for
+from tests.fixtures.serve_app import wait_for, worker_handle
 
 pytestmark = pytest.mark.integration
 
@@ -82,9 +82,7 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
 
     from app.sessions import TOKEN_IDS_KEY, exact_prompt_ids
 
-    from ray import serve
-
-    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    worker = worker_handle("llm")
     before = worker.kv_stats.remote().result(timeout_s=30)
     client = served_app.client()
     sid = new_session(served_app)["id"]
@@ -128,7 +126,7 @@ def test_a_new_prompt_without_a_session_skips_the_kv_lookup_and_a_repeat_reuses(
 
     from deployments.compute.engines.kv import block_hashes
 
-    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    worker = worker_handle("llm")
     dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
     client = served_app.client()
 
@@ -170,7 +168,7 @@ def test_a_later_session_turn_always_looks_up(served_app):
     follows the export of the previous one by milliseconds, before any mirror has it."""
     from ray import serve
 
-    worker = serve.get_deployment_handle("ComputeWorker", app_name="llm")
+    worker = worker_handle("llm")
     dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
     client = served_app.client()
     turn(client, served_app.model_id, new_session(served_app)["id"], "warm up " * 8)

@@ -1,8 +1,10 @@
 """``ingress.with_worker`` (app/server.py): the Router drives a ComputeWorker in its own
 process through ``LocalWorkerHandle``. A real Router and a real ComputeWorker over a
 stand-in engine (pure unit test: no Ray cluster): the deltas arrive in order, a client
-that leaves mid-stream aborts the sequence in the engine, and the worker gets its own copy
-of the request."""
+that leaves mid-stream aborts the sequence in the engine, the worker gets its own copy
+of the request, and once the local engine is dead a request is retried on a peer (a
+stand-in for the Server deployment's own handle). Also: which layout the config picks
+when ``ingress.with_worker`` is unset."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from app.server import LocalWorkerHandle
 from deployments.compute.deployment import ComputeWorker
 from deployments.compute.engines.protocol import (
     EngineCapabilities,
+    EngineDeadError,
     GenerationRequest,
     SamplingParams,
     TokenDelta,
@@ -104,15 +107,15 @@ def test_capabilities_and_ready_answer_as_a_handles_would():
 
 @pytest.mark.parametrize(
     ("text", "pin", "with_worker"),
-    [("15:500", False, False), ("15:500:pin", True, False), ("15:500:with_worker", False, True),
-     ("15:500:with_worker:pin", True, True)],
+    [("15:500", False, None), ("15:500:pin", True, None), ("15:500:with_worker", False, True),
+     ("15:500:with_worker:pin", True, True), ("15:500:apart", False, False)],
 )
 def test_variants_parse_their_flags(text, pin, with_worker):
     v = parse_variant(text)
     assert (v["interval_ms"], v["max_messages_per_s"], v["pin"], v["with_worker"]) == (15.0, 500.0, pin, with_worker)
 
 
-@pytest.mark.parametrize("text", ["15", "15:500:pinned", "15:500:pin:pin"])
+@pytest.mark.parametrize("text", ["15", "15:500:pinned", "15:500:pin:pin", "15:500:apart:with_worker"])
 def test_a_bad_variant_is_refused(text):
     with pytest.raises(ValueError):
         parse_variant(text)
@@ -153,20 +156,12 @@ def test_the_server_deployment_takes_computes_options_plus_the_ingress_cpus():
     assert sharded.ray_actor_options["num_cpus"] == 2.25
 
 
-def test_a_dead_local_engine_fails_its_request_at_once_with_503():
+def test_without_peers_a_dead_local_engine_fails_its_request_at_once_with_503():
     from app.errors import to_api_error
-    from deployments.compute.engines.protocol import EngineDeadError
-
-    class _DeadEngine(_Engine):
-        async def generate(self, request):
-            raise EngineDeadError("the EngineCore died")
-            yield  # an async generator
-
-        async def check_health(self):
-            raise EngineDeadError("the EngineCore died")
 
     async def run():
         engine = _DeadEngine()
+        engine.dead = True
         worker = ComputeWorker.__new__(ComputeWorker)
         await ComputeWorker.__init__(worker, CONFIG | {"limits": {"request_timeout_s": 30}},
                                      engine_factory=lambda *a, **k: engine)
@@ -181,3 +176,146 @@ def test_a_dead_local_engine_fails_its_request_at_once_with_503():
     # Not held for a retry on a worker that will never be ready (the deadline is 30 s).
     assert took < 5, took
     assert to_api_error(error).status_code == 503
+
+
+class _DeadEngine(_Engine):
+    def __init__(self):
+        super().__init__()
+        self.dead = False
+
+    async def generate(self, request):
+        if self.dead:
+            raise EngineDeadError("the EngineCore died")
+        async for delta in super().generate(request):
+            yield delta
+
+    async def check_health(self):
+        if self.dead:
+            raise EngineDeadError("the EngineCore died")
+
+
+class _PeerStream:
+    """What ``handle.options(stream=True).worker_generate.remote()`` returns: an async
+    iterator of deltas with ``cancel()``; ``fail`` raises a death before any delta (a call
+    routed to a replica whose engine is dead too)."""
+
+    def __init__(self, n: int, fail: bool):
+        self._n, self._fail, self.cancelled = n, fail, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        if self._fail:
+            raise EngineDeadError("peer's engine is dead too")
+        for i in range(self._n):
+            yield TokenDelta(text="p", token_ids=[100 + i], finish_reason="length" if i + 1 == self._n else None,
+                             num_output_tokens=i + 1)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Peers:
+    """A stand-in for the Server deployment's handle to itself: the first ``dead_calls``
+    generate calls land on a dead replica."""
+
+    def __init__(self, dead_calls: int = 0):
+        self.dead_calls = dead_calls
+        self.calls: list[str] = []
+        self.ready_calls = 0
+        outer = self
+
+        class _Method:
+            def __init__(self, fn):
+                self.remote = fn
+
+        async def ready():
+            outer.ready_calls += 1
+            return True
+
+        def generate(request, batch_key=None):
+            outer.calls.append(request.request_id)
+            return _PeerStream(request.sampling.max_tokens, fail=len(outer.calls) <= outer.dead_calls)
+
+        self.worker_ready = _Method(ready)
+        self.worker_generate = _Method(generate)
+
+    def options(self, **_kwargs):
+        return self
+
+
+async def _router_with_peers(peers):
+    engine = _DeadEngine()
+    worker = ComputeWorker.__new__(ComputeWorker)
+    config = CONFIG | {"limits": {"request_timeout_s": 30}}
+    await ComputeWorker.__init__(worker, config, engine_factory=lambda *a, **k: engine)
+    return Router(LocalWorkerHandle(worker, peers), config), engine
+
+
+@pytest.mark.parametrize("dead_calls", [0, 2])
+def test_once_the_local_engine_is_dead_a_request_is_retried_on_a_peer(dead_calls, monkeypatch):
+    import app.server as server
+
+    monkeypatch.setattr(server, "PEER_ROUTING_RETRY_INTERVAL_S", 0.01)
+    peers = _Peers(dead_calls)
+
+    async def run():
+        router, engine = await _router_with_peers(peers)
+        before = [d async for d in router.generate(_request("alive", 3))]
+        engine.dead = True
+        after = [d async for d in router.generate(_request("r5", 4))]
+        again = [d async for d in router.generate(_request("r6", 2))]
+        return before, after, again
+
+    before, after, again = asyncio.run(run())
+    # While the local engine lives, no peer is asked.
+    assert [t for d in before for t in d.token_ids] == [10, 11, 12]
+    # After its death: the router's retry waits for a peer's ready, then streams from it;
+    # calls that land on a dead replica first are routed again, not failed.
+    assert [t for d in after for t in d.token_ids] == [100, 101, 102, 103]
+    assert [t for d in again for t in d.token_ids] == [100, 101]
+    assert peers.calls == ["r5"] * (dead_calls + 1) + ["r6"]
+    assert peers.ready_calls >= 1
+
+
+def test_a_peer_routing_to_dead_replicas_only_gives_up_with_a_503(monkeypatch):
+    import app.server as server
+    from app.errors import to_api_error
+
+    monkeypatch.setattr(server, "PEER_ROUTING_RETRY_INTERVAL_S", 0.01)
+    monkeypatch.setattr(server, "PEER_ROUTING_RETRY_S", 0.1)
+    peers = _Peers(dead_calls=10**6)
+
+    async def run():
+        router, engine = await _router_with_peers(peers)
+        engine.dead = True
+        with pytest.raises(EngineDeadError) as info:
+            async for _ in router.generate(_request("r7", 3)):
+                pass
+        return info.value
+
+    error = asyncio.run(run())
+    assert to_api_error(error).status_code == 503
+    assert 2 <= len(peers.calls) < 100, len(peers.calls)
+
+
+@pytest.mark.parametrize(
+    ("args", "with_worker"),
+    [
+        ({}, False),  # torch: ingress and worker apart (router batching and placement)
+        ({"engine": {"name": "vllm"}}, True),  # one vLLM replica: in one process
+        ({"engine": {"name": "vllm"}, "compute": {"num_replicas": 2}}, False),  # placement
+        ({"engine": {"name": "vllm"}, "compute": {"autoscaling": {"enabled": True}}}, False),
+        ({"engine": {"name": "vllm"}, "ingress": {"num_replicas": 2}}, False),
+        ({"engine": {"name": "vllm"}, "ingress": {"with_worker": False}}, False),  # said outright
+        ({"ingress": {"with_worker": True}}, True),
+    ],
+)
+def test_the_layout_the_config_picks(args, with_worker):
+    from app.config import AppConfig
+
+    config = AppConfig.model_validate(args)
+    assert config.ingress.with_worker is with_worker
+    # Resolved once: what the deployments get back says the same.
+    assert AppConfig.model_validate(config.model_dump(mode="json")).ingress.with_worker is with_worker

@@ -1,8 +1,9 @@
-"""``ingress.with_worker``: the Ingress and its ComputeWorker in one replica (the "Server"
-deployment, app/server.py), with each engine. Next to the shared application (the usual
-layout, same engine and model), it answers the same requests with the same greedy
-tokens, streams, keeps a session's turns, answers bad input with the same errors, and
-its deployments are Server and DataPlane only (no Serve hop between ingress and worker)."""
+"""The two layouts, with each engine: ``ingress.with_worker`` (the Ingress and its
+ComputeWorker in one replica, the "Server" deployment, app/server.py) and the Ingress and
+ComputeWorker apart. The shared application runs each engine's default (apart for torch;
+in one replica for vLLM with one worker replica); this module deploys the other layout
+next to it. The other answers the same requests with the same greedy tokens, streams,
+keeps a session's turns, and answers bad input with the same errors."""
 
 from __future__ import annotations
 
@@ -16,48 +17,57 @@ pytestmark = pytest.mark.integration
 
 PROMPT = "The quick brown fox"
 
+SERVER_DEPLOYMENTS = {"Server", "DataPlane"}
+APART_DEPLOYMENTS = {"Ingress", "ComputeWorker", "DataPlane"}
+
 
 @pytest.fixture(scope="module")
-def with_worker_app(served_app, redis_server, http_port):
+def other_layout_app(served_app, redis_server, http_port):
+    """The layout the shared app does not run, for its engine: (app name, base URL, with_worker)."""
+    with_worker = served_app.engine != "vllm"
     args = app_args(
         served_app.model_path,
         redis_server.url,
         engine=served_app.config_args["engine"],
-        ingress={"with_worker": True},
+        ingress={"with_worker": with_worker},
     )
-    name = f"with-worker-{served_app.engine}"
+    name = f"{'with' if with_worker else 'without'}-worker-{served_app.engine}"
     with deployed_app(args, name, f"/{name}", http_port, timeout_s=300) as base_url:
-        yield name, base_url
+        yield name, base_url, with_worker
 
 
 def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_its_replicas_run_ingress_and_worker_in_one_process(with_worker_app):
+def test_each_engines_default_layout_and_the_other(other_layout_app, served_app):
     from ray import serve
 
-    name, _ = with_worker_app
-    deployments = set(serve.status().applications[name].deployments)
-    assert deployments == {"Server", "DataPlane"}, deployments
+    name, _, with_worker = other_layout_app
+    apps = serve.status().applications
+    default = set(apps["llm"].deployments)
+    other = set(apps[name].deployments)
+    # vLLM with one worker replica runs in one process by default; torch apart.
+    assert default == (SERVER_DEPLOYMENTS if served_app.engine == "vllm" else APART_DEPLOYMENTS), default
+    assert other == (SERVER_DEPLOYMENTS if with_worker else APART_DEPLOYMENTS), other
     # What tools read of a worker, from the Server's own.
-    server = serve.get_deployment_handle("Server", app_name=name)
+    server = serve.get_deployment_handle("Server", app_name=name if with_worker else "llm")
     assert server.stats.remote().result(timeout_s=60).num_running == 0
     assert isinstance(server.kv_stats.remote().result(timeout_s=60), dict)
 
 
-def test_greedy_output_equals_the_usual_layouts(with_worker_app, served_app):
-    _, base_url = with_worker_app
+def test_greedy_output_equals_the_default_layouts(other_layout_app, served_app):
+    _, base_url, _ = other_layout_app
     kwargs = dict(model=served_app.model_id, prompt=PROMPT, max_tokens=12, temperature=0)
-    usual = served_app.client().completions.create(**kwargs)
-    ours = _client(base_url).completions.create(**kwargs)
-    assert ours.choices[0].text == usual.choices[0].text
-    assert ours.usage.completion_tokens == usual.usage.completion_tokens == 12
-    assert ours.usage.prompt_tokens == usual.usage.prompt_tokens
+    default = served_app.client().completions.create(**kwargs)
+    other = _client(base_url).completions.create(**kwargs)
+    assert other.choices[0].text == default.choices[0].text
+    assert other.usage.completion_tokens == default.usage.completion_tokens == 12
+    assert other.usage.prompt_tokens == default.usage.prompt_tokens
 
 
-def test_a_stream_has_its_deltas_finish_and_usage(with_worker_app, served_app):
-    _, base_url = with_worker_app
+def test_a_stream_has_its_deltas_finish_and_usage(other_layout_app, served_app):
+    _, base_url, _ = other_layout_app
     stream = _client(base_url).chat.completions.create(
         model=served_app.model_id,
         messages=[{"role": "user", "content": PROMPT}],
@@ -73,8 +83,8 @@ def test_a_stream_has_its_deltas_finish_and_usage(with_worker_app, served_app):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
 
 
-def test_a_session_keeps_its_turns(with_worker_app, served_app):
-    _, base_url = with_worker_app
+def test_a_session_keeps_its_turns(other_layout_app, served_app):
+    _, base_url, _ = other_layout_app
     sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
     client = _client(base_url)
     for question in ("Hello there", "And then?"):
@@ -91,8 +101,8 @@ def test_a_session_keeps_its_turns(with_worker_app, served_app):
     assert [m["content"] for m in record["messages"][::2]] == ["Hello there", "And then?"]
 
 
-def test_bad_input_gets_the_same_errors(with_worker_app, served_app):
-    _, base_url = with_worker_app
+def test_bad_input_gets_the_same_errors(other_layout_app, served_app):
+    _, base_url, _ = other_layout_app
     r = httpx.post(base_url + "/v1/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)

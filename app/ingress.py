@@ -414,6 +414,21 @@ class Ingress:
         # session check, each delta) by limits.request_timeout_s and answers 504.
         return await stream.__anext__()
 
+    @staticmethod
+    async def _drain(streams) -> None:
+        """Read finished choices' streams to their end, in this task. Nothing comes after
+        a finish delta, but the generators behind it (the router's, and in one process
+        with its worker the worker's) then run their own code after their last yield: the
+        router's cleanup and root index, the worker's token count and trace span. A stream
+        left at its last yield is closed later by the garbage collector, in a task of its
+        own, where none of that runs (and OpenTelemetry cannot detach the span's context)."""
+        for stream in streams:
+            try:
+                async for delta in stream:
+                    logger.warning("a delta after the finish: %r", delta)
+            except Exception as e:  # noqa: BLE001 - the reply is complete; its tail only logs
+                logger.debug("stream ended with %r after its finish", e)
+
     def _record(self, calls: list[_Call], status: int) -> None:
         """One request's metrics and log line; ``calls`` are its choices (``n``)."""
         call = calls[0]
@@ -622,6 +637,7 @@ class Ingress:
             delta = await self._next(stream)
             call.on_delta(delta)
             parts.append(delta.text)
+        await self._drain([stream])
         return "".join(parts)
 
     async def _complete_body(self, req, calls: list[_Call], firsts, streams) -> Response:
@@ -762,6 +778,8 @@ class Ingress:
         finally:
             self._record(calls, status)
         yield SSE_DONE
+        if status == 200:
+            await self._drain(streams)
 
     # ---- routes -----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, Optional
 
+from opentelemetry.trace import Status, StatusCode
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
@@ -203,7 +204,12 @@ class ComputeWorker:
         (placement) only. Cancelling this stream aborts the request in the engine."""
         self._num_requests += 1
         ctx = telemetry.extract_context(request.trace_headers)
-        with self._tracer.start_as_current_span("worker.generate", context=ctx) as span:
+        # Not the current span: this generator's first delta and its last may be read in
+        # different tasks (the ingress's handler, then its streaming body), and a span
+        # made current in one Context cannot be detached in another. Nothing inside needs
+        # it current; it only has to end.
+        span = self._tracer.start_span("worker.generate", context=ctx)
+        try:
             span.set_attribute("llm.request_id", request.request_id)
             span.set_attribute("llm.prompt_tokens", len(request.prompt_token_ids))
             num_tokens = 0
@@ -257,6 +263,12 @@ class ComputeWorker:
                 self._num_in_flight -= 1
             span.set_attribute("llm.output_tokens", num_tokens)
             self._m_tokens.inc(num_tokens)
+        except Exception as e:
+            span.record_exception(e)
+            span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            span.end()
 
     def stats(self) -> EngineStats:
         return self._engine.stats()

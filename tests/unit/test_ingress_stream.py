@@ -1,13 +1,16 @@
 """The SSE body of the ingress: an error after streaming began ends the stream with an
 error event and [DONE]; a normal stream ends with finish_reason, usage and [DONE]; with
-n choices, chunks carry their choice's index and one failing choice stops them all."""
+n choices, chunks carry their choice's index and one failing choice stops them all. A
+finished choice's stream is read to its end in the request's task (the generators behind
+it run their code after the last delta there)."""
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 
 from app.config import AppConfig
-from app.ingress import Ingress, _Call
+from app.ingress import Ingress, _Call, _LocalStream
 from app.schemas import CompletionRequest
 from deployments.compute.engines.protocol import EngineDeadError, TokenDelta
 
@@ -23,12 +26,14 @@ class FakeStream:
     def __init__(self, items):
         self._items = list(items)
         self.cancelled = False
+        self.ended = False  # read to its end
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
         if not self._items:
+            self.ended = True
             raise StopAsyncIteration
         item = self._items.pop(0)
         if isinstance(item, BaseException):
@@ -83,7 +88,31 @@ async def test_normal_stream_has_finish_usage_and_done():
     assert out[1]["choices"][0]["finish_reason"] == "length"
     assert out[2]["choices"] == [] and out[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert out[-1] == "[DONE]"
-    assert not stream.cancelled
+    assert not stream.cancelled and stream.ended
+
+
+async def test_a_finished_streams_generators_end_in_the_request_task():
+    ing = make_ingress()
+    req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True})
+    ended_in = []
+
+    async def router_generate():
+        # As the router's and the worker's generators: code after the last yield.
+        yield TokenDelta("b", [2], "length", 3, 2)
+        ended_in.append(asyncio.current_task())
+
+    out = events(await collect(ing, req, TokenDelta("a", [1], None, 3, 1), _LocalStream(router_generate())))
+    assert out[-1] == "[DONE]"
+    # Not left at its last yield for the garbage collector to close in another task.
+    assert ended_in == [asyncio.current_task()]
+
+
+async def test_a_buffered_choice_reads_its_stream_to_the_end():
+    ing = make_ingress()
+    stream = FakeStream([TokenDelta("b", [2], None, 3, 2), TokenDelta("c", [3], "stop", 3, 3)])
+    call = _Call("completions", "r1", 3)
+    text = await ing._rest_of_choice(call, TokenDelta("a", [1], None, 3, 1), stream)
+    assert text == "abc" and stream.ended
 
 
 async def test_client_disconnect_cancels_the_upstream_stream():
@@ -125,6 +154,7 @@ async def test_n_choices_stream_with_their_index_and_usage_sums_them():
     assert by_index == {0: "abc", 1: "xy"} and finish == {0: "length", 1: "stop"}
     assert out[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert out[-1] == "[DONE]"
+    assert all(s.ended for s in streams)
 
 
 async def test_one_failing_choice_ends_the_stream_and_stops_the_others():

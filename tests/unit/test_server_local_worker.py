@@ -96,6 +96,39 @@ def test_a_client_that_leaves_aborts_the_sequence_in_the_engine():
     assert engine.aborted == ["r2"] and engine.finished == []
 
 
+def test_a_stream_read_in_two_tasks_ends_its_worker_span_cleanly(caplog):
+    """As the ingress reads it: the first delta in the request handler's task, the rest in
+    the streaming body's. The worker's span must not be the current one across its
+    yields (a context attached in one task cannot be detached in another)."""
+    import logging
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from app.ingress import _LocalStream
+
+    exporter = InMemorySpanExporter()
+
+    async def run():
+        router, _engine = await _router_and_engine()  # sets up the tracer provider
+        trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))
+        stream = _LocalStream(router.generate(_request("r9", 3)))
+        first = await stream.__anext__()
+
+        async def rest():
+            return [d async for d in stream]
+
+        return [first, *await asyncio.ensure_future(rest())]
+
+    with caplog.at_level(logging.ERROR):
+        deltas = asyncio.run(run())
+    assert [t for d in deltas for t in d.token_ids] == [10, 11, 12]
+    assert not [r for r in caplog.records if "detach" in r.getMessage()], caplog.text
+    spans = [s for s in exporter.get_finished_spans() if s.name == "worker.generate"]
+    assert len(spans) == 1 and spans[0].attributes["llm.output_tokens"] == 3
+
+
 def test_capabilities_and_ready_answer_as_a_handles_would():
     async def run():
         router, engine = await _router_and_engine()

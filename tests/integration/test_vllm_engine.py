@@ -81,6 +81,18 @@ async def test_capabilities_and_health(engine):
     assert stats.num_running == 0 and stats.num_waiting == 0
 
 
+async def test_its_stat_logger_is_ours_only_and_still_counts_steps(engine):
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    # vLLM's Prometheus logger (a registry nothing serves here) is dropped at start...
+    loggers = engine._llm.logger_manager.stat_loggers
+    assert loggers and not any(isinstance(s, PrometheusStatLogger) for s in loggers), loggers
+    # ...and ours still gets the scheduler's stats each step.
+    steps = engine.stats().num_steps
+    await collect(engine, make_request("steps", encode(engine, PROMPTS[0]), max_tokens=4, ignore_eos=True))
+    assert engine.stats().num_steps >= steps + 4
+
+
 async def test_greedy_matches_hf_generate(engine, hf_model):
     for i, prompt in enumerate(PROMPTS):
         ids = encode(engine, prompt)

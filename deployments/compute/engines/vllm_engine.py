@@ -324,6 +324,7 @@ class VLLMEngine(Engine):
         # (the replica is not serving yet then).
         with telemetry.keep_log_handlers():  # vLLM's logging setup would close the replica's log file
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
+        self._drop_unread_prometheus_logger()
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.start_seconds = time.monotonic() - started
         logger.info(
@@ -332,6 +333,24 @@ class VLLMEngine(Engine):
             self.max_model_len,
             self.max_num_seqs,
         )
+
+    def _drop_unread_prometheus_logger(self) -> None:
+        """vLLM adds its PrometheusStatLogger next to any custom stat logger (ours, for
+        ``stats()``), even with ``disable_log_stats``. It records every step and every
+        token into this process's prometheus_client registry, which nothing serves here
+        (the app's /metrics exports Ray's metrics agents): in a profile of a Server
+        replica under load, ~7% of its CPU samples. Without it the engine's counts still
+        reach /metrics through the worker's own metrics (running, waiting, KV usage)."""
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        manager = getattr(self._llm, "logger_manager", None)
+        loggers = getattr(manager, "stat_loggers", None)
+        if not loggers:
+            return
+        kept = [s for s in loggers if not isinstance(s, PrometheusStatLogger)]
+        if len(kept) < len(loggers):
+            manager.stat_loggers = kept
+            logger.info("vLLM's Prometheus stat logger is off (nothing serves its registry here)")
 
     def _stat_logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase

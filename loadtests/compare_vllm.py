@@ -237,6 +237,14 @@ _ROLES = (
     ("ProxyActor", "Serve HTTP proxy"),
     ("ServeController", "Serve controller"),
     ("loadtests.", "load generator (this process)"),
+    # The rest of Ray, split so that "other" is only what is not ours.
+    ("raylet", "Ray raylet"),
+    ("gcs_server", "Ray GCS"),
+    ("haproxy", "HAProxy"),
+    ("dashboard/agent.py", "Ray agents"),
+    ("runtime_env/agent", "Ray agents"),
+    ("log_monitor", "Ray agents"),
+    ("ray::", "Ray idle workers"),
 )
 
 

@@ -241,10 +241,14 @@ _ROLES = (
     ("raylet", "Ray raylet"),
     ("gcs_server", "Ray GCS"),
     ("haproxy", "HAProxy"),
-    ("dashboard/agent.py", "Ray agents"),
-    ("runtime_env/agent", "Ray agents"),
-    ("log_monitor", "Ray agents"),
-    ("ray::", "Ray idle workers"),
+    ("HAProxyManager", "HAProxy"),
+    ("DashboardAgent", "Ray agents and monitors"),
+    ("RuntimeEnvAgent", "Ray agents and monitors"),
+    ("dashboard", "Ray agents and monitors"),
+    ("log_monitor", "Ray agents and monitors"),
+    ("autoscaler", "Ray agents and monitors"),
+    ("ray::IDLE", "Ray idle workers"),
+    ("ray::", "Ray, other actors"),
 )
 
 

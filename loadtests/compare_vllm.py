@@ -324,8 +324,8 @@ def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtests.compare_vllm")
+def add_load_options(p: argparse.ArgumentParser) -> None:
+    """The model, engine and load options every vLLM comparison shares."""
     p.add_argument("--model-dir", default="models/tiny")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
@@ -335,6 +335,25 @@ def main(argv=None) -> int:
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-gib", type=float, default=1.0, help="CPU KV cache space of each engine")
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def prepare(args) -> Path:
+    """Parse ``--concurrency``; the tiny model (built if missing), whose vocabulary size the
+    load's random prompts take."""
+    from app.model_builder import ensure_model
+
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    model_path = ensure_model(Path(args.model_dir), "tiny")
+    args.vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    return model_path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.compare_vllm")
+    add_load_options(p)
     p.add_argument(
         "--stream-max-messages-per-s", type=float, default=None,
         help="our engine.stream_max_messages_per_s (default: the config's)",
@@ -354,17 +373,9 @@ def main(argv=None) -> int:
         "--apart", dest="with_worker", action="store_const", const=False,
         help="our app with ingress.with_worker: false (the ingress and its worker apart)",
     )
-    p.add_argument("--port", type=int, default=8124)
-    p.add_argument("--start-timeout-s", type=float, default=600)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtests/results/compare_vllm.json")
     args = p.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
-
-    from app.model_builder import ensure_model
-
-    model_path = ensure_model(Path(args.model_dir), "tiny")
-    args.vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    model_path = prepare(args)
     base_url = f"http://127.0.0.1:{args.port}"
     log_path = Path(tempfile.gettempdir()) / f"compare_vllm_server_{os.getpid()}.log"
     flags = vllm_flags(model_path, args)

@@ -82,8 +82,8 @@ class LocalWorkerHandle:
         self._m_peer_calls = metrics.Counter(
             "llm_server_peer_calls",
             "Calls a Server replica whose engine died made to a peer's worker, by result: "
-            "streamed (the peer answered), dead_replica (it landed on a dead engine too and "
-            "was routed again), failed (its error went to the router).",
+            "streamed (the peer's first delta came), dead_replica (it landed on a dead "
+            "engine too and was routed again), failed (its error went to the router).",
             tag_keys=("result",),
         )
         self.generate = _LocalMethod(self._generate)
@@ -122,10 +122,13 @@ class LocalWorkerHandle:
             started = done = False
             try:
                 async for delta in stream:
-                    started = True
+                    if not started:
+                        # Counted at the first delta: the end may come as this replica
+                        # stops, too late for its metrics to be reported.
+                        started = True
+                        self._m_peer_calls.inc(tags={"result": "streamed"})
                     yield delta
                 done = True
-                self._m_peer_calls.inc(tags={"result": "streamed"})
                 return
             except Exception as e:
                 done = True

@@ -222,13 +222,6 @@ def test_engine_death_fails_running_stream_retries_queued_and_replaces_replica(f
 
     # Each retry was counted (the metric reaches /metrics within a few report intervals).
     assert wait_for(lambda: _retries_counted(base_url) >= 1, 30, "llm_router_retries in /metrics")
-    if worker_deployment_name(APP_NAME) == "Server":
-        # ...and, in one process with its engine, went to a peer (the replacement).
-        assert wait_for(
-            lambda: sum(_metric_values(base_url, "ray_llm_server_peer_calls", result="streamed")) >= 1,
-            30,
-            "llm_server_peer_calls{result=streamed} in /metrics",
-        )
 
 
 def _metric_values(base_url: str, name: str, **labels) -> list[float]:

@@ -52,6 +52,9 @@ from deployments.router.deployment import Router
 
 logger = logging.getLogger("ray.serve")
 
+# How long a finished stream may take to end after its last delta (Ingress._drain).
+DRAIN_TIMEOUT_S = 5.0
+
 fastapi_app = FastAPI(title="LLM serving (OpenAI-compatible)", docs_url="/docs")
 
 
@@ -424,8 +427,13 @@ class Ingress:
         own, where none of that runs (and OpenTelemetry cannot detach the span's context)."""
         for stream in streams:
             try:
-                async for delta in stream:
-                    logger.warning("a delta after the finish: %r", delta)
+                # Bounded: the reply is complete, and its connection ends only after this.
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    async for delta in stream:
+                        logger.warning("a delta after the finish: %r", delta)
+            except TimeoutError:
+                logger.warning("a finished stream did not end within %.0fs; cancelled", DRAIN_TIMEOUT_S)
+                stream.cancel()
             except Exception as e:  # noqa: BLE001 - the reply is complete; its tail only logs
                 logger.debug("stream ended with %r after its finish", e)
 

@@ -107,6 +107,24 @@ async def test_a_finished_streams_generators_end_in_the_request_task():
     assert ended_in == [asyncio.current_task()]
 
 
+async def test_a_finished_stream_that_does_not_end_is_cancelled_after_the_bound(monkeypatch):
+    import app.ingress as ingress
+
+    monkeypatch.setattr(ingress, "DRAIN_TIMEOUT_S", 0.05)
+    ing = make_ingress()
+    req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True})
+
+    class Stuck(FakeStream):
+        async def __anext__(self):
+            if self._items:
+                return self._items.pop(0)
+            await asyncio.sleep(3600)  # never ends after its finish
+
+    stream = Stuck([TokenDelta("b", [2], "length", 3, 2)])
+    out = events(await asyncio.wait_for(collect(ing, req, TokenDelta("a", [1], None, 3, 1), stream), 5))
+    assert out[-1] == "[DONE]" and stream.cancelled
+
+
 async def test_a_buffered_choice_reads_its_stream_to_the_end():
     ing = make_ingress()
     stream = FakeStream([TokenDelta("b", [2], None, 3, 2), TokenDelta("c", [3], "stop", 3, 3)])

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from loadtests.benchmark import add_ingress_option, format_table, run_level, write_report
 
@@ -324,6 +324,64 @@ def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str
     return out
 
 
+def alternate(systems: list[tuple[str, Any]], base_url: str, args, say) -> tuple[list[dict], list[dict]]:
+    """``args.rounds`` rounds; in each, every system (``(name, obj)`` with ``start`` and
+    ``stop``) is started, measured at every level and stopped, one at a time. The order
+    reverses every other round, so drift on a shared machine hits all alike. Returns the
+    levels and each start's seconds. SIGTERM ends it like Ctrl-C (KeyboardInterrupt);
+    every system is stopped either way."""
+
+    def on_sigterm(*_):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    levels: list[dict] = []
+    startups: list[dict] = []
+    try:
+        for rnd in range(1, args.rounds + 1):
+            order = systems if rnd % 2 else systems[::-1]
+            for name, system in order:
+                say(f"round {rnd}/{args.rounds}: starting {name}")
+                try:
+                    startup_s = system.start(args.start_timeout_s)
+                    startups.append({"system": name, "round": rnd, "startup_s": round(startup_s, 1)})
+                    levels += measure(base_url, name, rnd, args)
+                finally:
+                    say(f"round {rnd}/{args.rounds}: stopping {name}")
+                    system.stop()
+    finally:
+        for _, system in systems:
+            system.stop()
+    return levels, startups
+
+
+def print_ratios(table: dict, concurrencies: list[int], a: str, b: str) -> None:
+    """:func:`ratios`' table, a line per concurrency: output tokens/s and TTFT p50 of ``a``
+    and ``b`` and a/b."""
+    print(
+        f"{'c':>4}  {'out tok/s ' + a:>20}  {b:>10}  {'ratio':>6}  "
+        f"{'TTFT p50 ms ' + a:>22}  {b:>10}  {'ratio':>6}"
+    )
+    for c in concurrencies:
+        r = table[f"c{c}"]
+        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        print(
+            f"{c:>4}  {f(r[f'{a}_output_tput']):>20}  {f(r[f'{b}_output_tput']):>10}  "
+            f"{f(r[f'output_tput_{a}_over_{b}'], 2):>6}  {f(r[f'{a}_ttft_p50']):>22}  "
+            f"{f(r[f'{b}_ttft_p50']):>10}  {f(r[f'ttft_p50_{a}_over_{b}'], 2):>6}"
+        )
+
+
+def print_cpu_by_role(levels: list[dict]) -> None:
+    """Where the CPU went in the last round of each system and level, per 1000 output
+    tokens, by process role, largest first."""
+    print("CPU ms per 1000 output tokens, by process role (last round of each system and level):")
+    last = {(lv["system"], lv["concurrency"]): lv for lv in levels}
+    for (name, c), lv in sorted(last.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        per = sorted(lv.get("cpu_ms_per_1k_output_tokens", {}).items(), key=lambda kv: -kv[1])
+        print(f"  {name} c={c}: " + ", ".join(f"{r} {v:.0f}" for r, v in per))
+
+
 def add_load_options(p: argparse.ArgumentParser) -> None:
     """The model, engine and load options every vLLM comparison shares."""
     p.add_argument("--model-dir", default="models/tiny")
@@ -383,34 +441,11 @@ def main(argv=None) -> int:
     ours = OurApp(model_path, args, args.port)
     _say(f"vllm flags: {' '.join(flags)} (server log: {log_path})")
 
-    # SIGTERM ends the run like Ctrl-C, through the finally below.
-    def on_sigterm(*_):
-        raise KeyboardInterrupt()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    levels: list[dict] = []
-    startups: list[dict] = []
     try:
-        for rnd in range(1, args.rounds + 1):
-            # Alternate which goes first, so drift on a shared machine hits both alike.
-            order = [("ours", ours), ("vllm", vllm_server)]
-            if rnd % 2 == 0:
-                order.reverse()
-            for name, system in order:
-                _say(f"round {rnd}/{args.rounds}: starting {name}")
-                try:
-                    startup_s = system.start(args.start_timeout_s)
-                    startups.append({"system": name, "round": rnd, "startup_s": round(startup_s, 1)})
-                    levels += measure(base_url, name, rnd, args)
-                finally:
-                    _say(f"round {rnd}/{args.rounds}: stopping {name}")
-                    system.stop()
+        levels, startups = alternate([("ours", ours), ("vllm", vllm_server)], base_url, args, _say)
     except KeyboardInterrupt:
         _say("interrupted: everything stopped")
         return 130
-    finally:
-        vllm_server.stop()
-        ours.stop()
 
     result = {
         "args": vars(args),
@@ -421,21 +456,9 @@ def main(argv=None) -> int:
         "ratios": ratios(levels, args.concurrency),
     }
     print(format_table(levels))
-    print(f"{'c':>4}  {'out tok/s ours':>14}  {'vllm':>8}  {'ratio':>6}  {'TTFT p50 ms ours':>16}  {'vllm':>8}  {'ratio':>6}")
-    for c in args.concurrency:
-        r = result["ratios"][f"c{c}"]
-        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        print(
-            f"{c:>4}  {f(r['ours_output_tput']):>14}  {f(r['vllm_output_tput']):>8}  "
-            f"{f(r['output_tput_ours_over_vllm'], 2):>6}  {f(r['ours_ttft_p50']):>16}  "
-            f"{f(r['vllm_ttft_p50']):>8}  {f(r['ttft_p50_ours_over_vllm'], 2):>6}"
-        )
+    print_ratios(result["ratios"], args.concurrency, "ours", "vllm")
     print("startup s:", ", ".join(f"{s['system']} r{s['round']} {s['startup_s']}" for s in startups))
-    print("CPU ms per 1000 output tokens, by process role (last round of each system and level):")
-    last = {(lv["system"], lv["concurrency"]): lv for lv in levels}
-    for (name, c), lv in sorted(last.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        per = sorted(lv.get("cpu_ms_per_1k_output_tokens", {}).items(), key=lambda kv: -kv[1])
-        print(f"  {name} c={c}: " + ", ".join(f"{r} {v:.0f}" for r, v in per))
+    print_cpu_by_role(levels)
     _say(f"stored {write_report(args.out, result)}")
     return 0
 

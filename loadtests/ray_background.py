@@ -15,16 +15,14 @@ p50 per concurrency, and the CPU per 1000 output tokens by process role. Loopbac
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from loadtests import compare_vllm as cv
-from loadtests.benchmark import format_table
+from loadtests.benchmark import format_table, write_report
 
 RAY_PORT = 8125  # the idle Serve app's HTTP port (the bench port is vLLM's)
 
@@ -91,51 +89,17 @@ def main(argv=None) -> int:
     beside = VLLMBesideRay(cv.VLLMServer(flags, args.port, log_path))
     _say(f"vllm flags: {' '.join(flags)} (server log: {log_path})")
 
-    def on_sigterm(*_):
-        raise KeyboardInterrupt()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    levels: list[dict] = []
     try:
-        for rnd in range(1, args.rounds + 1):
-            order = [("beside_ray", beside), ("alone", alone)]
-            if rnd % 2 == 0:
-                order.reverse()
-            for name, system in order:
-                _say(f"round {rnd}/{args.rounds}: starting vllm {name}")
-                try:
-                    system.start(args.start_timeout_s)
-                    levels += cv.measure(base_url, name, rnd, args)
-                finally:
-                    _say(f"round {rnd}/{args.rounds}: stopping vllm {name}")
-                    system.stop()
+        levels, _ = cv.alternate([("beside_ray", beside), ("alone", alone)], base_url, args, _say)
     except KeyboardInterrupt:
         _say("interrupted: everything stopped")
         return 130
-    finally:
-        alone.stop()
-        beside.stop()
 
     ratios = cv.ratios(levels, args.concurrency, a="beside_ray", b="alone")
     print(format_table(levels))
-    print(f"{'c':>4}  {'out tok/s beside Ray':>20}  {'alone':>8}  {'ratio':>6}  {'TTFT p50 ms beside':>18}  {'alone':>8}  {'ratio':>6}")
-    for c in args.concurrency:
-        r = ratios[f"c{c}"]
-        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        print(
-            f"{c:>4}  {f(r['beside_ray_output_tput']):>20}  {f(r['alone_output_tput']):>8}  "
-            f"{f(r['output_tput_beside_ray_over_alone'], 2):>6}  {f(r['beside_ray_ttft_p50']):>18}  "
-            f"{f(r['alone_ttft_p50']):>8}  {f(r['ttft_p50_beside_ray_over_alone'], 2):>6}"
-        )
-    print("CPU ms per 1000 output tokens, by process role (last round of each variant and level):")
-    for lvl in levels:
-        if lvl["round"] == args.rounds:
-            top = sorted(lvl["cpu_ms_per_1k_output_tokens"].items(), key=lambda kv: -kv[1])
-            print(f"  {lvl['system']} c={lvl['concurrency']}: " + ", ".join(f"{k} {v:.0f}" for k, v in top))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "levels": levels, "ratios": ratios}, indent=2))
-    _say(f"stored {out}")
+    cv.print_ratios(ratios, args.concurrency, "beside_ray", "alone")
+    cv.print_cpu_by_role(levels)
+    _say(f"stored {write_report(args.out, {'args': vars(args), 'levels': levels, 'ratios': ratios})}")
     return 0
 
 

@@ -451,6 +451,13 @@ class DataPlaneConfig(_Strict):
         "the fetch overlaps the wait; with an idle worker the worker's own lookup follows at "
         "once and a prefetch only adds a call), `always`, or `off`.",
     )
+    direct_l3_reads: bool = Field(
+        default=True,
+        description="Torch workers read the L3 blocks of a prefix from the blocks' Redis "
+        "themselves (one transfer, checked in the worker) and the data plane then brings them "
+        "up to L2; off: the data plane reads them and hands them over through the object "
+        "store. vLLM's connector always reads Redis itself.",
+    )
     num_cpus: float = Field(default=0.25, ge=0, le=64)
     resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
     block_size: int = Field(

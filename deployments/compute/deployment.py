@@ -76,7 +76,13 @@ class ComputeWorker:
         if dataplane is not None and self._config.dataplane.kv_reuse:
             from deployments.dataplane.connector import DataPlaneKVConnector
 
-            kv_connector = DataPlaneKVConnector(dataplane, self._config.dataplane.block_size)
+            dc = self._config.dataplane
+            reader = None
+            if dc.direct_l3_reads:
+                from deployments.dataplane.redis_store import BlockReader
+
+                reader = BlockReader.from_config(dc.kv_redis or dc.redis)
+            kv_connector = DataPlaneKVConnector(dataplane, dc.block_size, l3_reader=reader)
         self._kv_connector = kv_connector
         self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
         self._prefault = None
@@ -132,6 +138,10 @@ class ComputeWorker:
                 ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),
                 ("early_lookups_used", "Prefix lookups started by the router that the worker used instead of its own."),
                 ("early_lookups_failed", "Router-started prefix lookups that failed (the worker then asked itself)."),
+                ("direct_l3_reads", "Prefix loads whose L3 blocks this worker read from Redis itself."),
+                ("direct_l3_blocks", "L3 blocks this worker read from Redis itself."),
+                ("direct_l3_bytes", "Bytes of L3 blocks this worker read from Redis itself."),
+                ("direct_l3_fallbacks", "Prefix loads whose L3 blocks the data plane read instead (Redis unreachable from the worker, a block gone or corrupt)."),
             )
         }
         self._kv_reported: dict[str, int] = {}
@@ -283,6 +293,7 @@ class ComputeWorker:
         return {name: getattr(s, name) for name in self._m_kv_counters if hasattr(s, name)} | {
             "early_lookups_used": early.get("used", 0),
             "early_lookups_failed": early.get("failed", 0),
+            **{f"direct_l3_{k}": v for k, v in getattr(self._kv_connector, "direct_l3", {}).items()},
             "lookups": s.lookups,
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
             "prefill_fixed_seconds": getattr(s, "prefill_fixed_seconds", None),

@@ -50,7 +50,7 @@ from deployments.dataplane import keys
 from deployments.dataplane.blocks import CorruptBlockError, check_block, pack_blocks, unpack_blocks
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.tiers import Evicted, MemoryTier
-from deployments.dataplane.types import SessionRecord, new_session_id
+from deployments.dataplane.types import InRedis, SessionRecord, new_session_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -150,6 +150,13 @@ class _Metrics:
         )
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
         self.prefetch_used = m.Counter("llm_dataplane_prefetch_used_blocks", "Prefetched blocks later read by a worker.")
+        self.handoff_direct_l3 = m.Counter(
+            "llm_dataplane_handoff_direct_l3_blocks",
+            "L3 blocks of a read left to the worker, which reads them from Redis itself (dataplane.direct_l3_reads).",
+        )
+        self.promoted = m.Counter(
+            "llm_dataplane_promoted_blocks", "Blocks a worker read from Redis itself, then brought up to L2 on its word."
+        )
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
         self.roots_published = m.Counter(
             "llm_dataplane_roots_published",
@@ -616,12 +623,14 @@ class DataPlane:
         *,
         shard_key: Optional[str] = None,
         with_refs: bool = False,
+        direct_l3: bool = False,
     ) -> PrefixHit:
         """The longest leading run of ``hashes`` held in L2 or L3; ``tier`` is the
         slowest tier among them. A Redis outage makes L3 look empty. ``with_refs``: when
-        the whole run is in L2, ``refs`` carries the blocks as :meth:`get_block_refs`
-        would (the worker's lookup and read in one call; handing out references copies
-        nothing, so a worker that then recomputes instead has cost nothing here)."""
+        the whole run is in L2, or with ``direct_l3`` whatever tiers it is in, ``refs``
+        carries the blocks as :meth:`get_block_refs` would (the worker's lookup and read
+        in one call; handing out references copies nothing, so a worker that then
+        recomputes instead has cost nothing here)."""
         await self.start()
         sizes: list[Optional[int]] = [self._l2.size_of(keys.block_key(tenant, h)) for h in hashes]
         tiers = [TIER_L2 if s is not None else TIER_NONE for s in sizes]
@@ -651,9 +660,10 @@ class DataPlane:
             self._m.inc("misses")
         if hit.num_blocks:
             self._note_root(tenant, hashes[0])  # still in use: refreshed in the index
-        if with_refs and hit.num_blocks and hit.tier == TIER_L2:
+        if with_refs and hit.num_blocks and (hit.tier == TIER_L2 or direct_l3):
             run = hashes[: hit.num_blocks]
-            blocks = await self._read_blocks(tenant, run)  # in L2 (unless evicted meanwhile)
+            # In L2 (unless evicted meanwhile), or in L3 for a caller that reads it.
+            blocks = await self._read_blocks(tenant, run, read_l3=not direct_l3)
             if blocks is not None:
                 hit.refs = self._hand_off(tenant, run, blocks)
         return hit
@@ -675,22 +685,24 @@ class DataPlane:
             logger.warning("DataPlane: corrupt KV block in %s treated as a miss: %s", tier, e)
             return False
 
-    async def _read_blocks(self, tenant: str, hashes: list[str]) -> Optional[list]:
+    async def _read_blocks(self, tenant: str, hashes: list[str], *, read_l3: bool = True) -> Optional[list]:
         """Every block of ``hashes`` in order (L2, else L3 in one MGET, promoting into
         L2), or None if any is missing or corrupt (a corrupt block is deleted from
         Redis). Values are ``bytes`` or read-only memoryviews; blocks read from Redis
-        together are copied once into one object (``_own_blocks``), which L2 keeps."""
+        together are copied once into one object (``_own_blocks``), which L2 keeps.
+        ``read_l3=False``: blocks not in L2 are None, for a caller that reads them from
+        Redis itself (nothing here checks that Redis has them)."""
         await self.start()
         started = time.perf_counter()
         with self._tracer.start_as_current_span(
             "dataplane.get_blocks", attributes={"llm.kv.blocks": len(hashes)}
         ) as span:
-            out, tier = await self._read_blocks_traced(tenant, hashes)
+            out, tier = await self._read_blocks_traced(tenant, hashes, read_l3)
             span.set_attribute("llm.kv.tier", tier)
         self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "get", "tier": tier})
         return out
 
-    async def _read_blocks_traced(self, tenant: str, hashes: list[str]) -> tuple[Optional[list], str]:
+    async def _read_blocks_traced(self, tenant: str, hashes: list[str], read_l3: bool) -> tuple[Optional[list], str]:
         l2_keys = [keys.block_key(tenant, h) for h in hashes]
         out: list = [None] * len(hashes)
         for i, key in enumerate(l2_keys):
@@ -705,6 +717,21 @@ class DataPlane:
             out[i] = data
         missing = [i for i, d in enumerate(out) if d is None]
         n_l2 = len(hashes) - len(missing)
+        if missing and not read_l3:
+            # Left for the caller to read from Redis: counted as handed off, not as hits
+            # (the caller reads them, or falls back to get_block_refs if it cannot).
+            l2_bytes = sum(len(b) for b in out if b is not None)
+            self._counts["bytes_out"] += l2_bytes
+            self._m.inc("bytes_out", l2_bytes, tags={"tier": TIER_L2})
+            self._m.inc("hits", n_l2, tags={"tier": TIER_L2})
+            self._counts["get_hits_L2"] += n_l2
+            self._counts["handoff_blocks_direct_l3"] += len(missing)
+            self._m.inc("handoff_direct_l3", len(missing))
+            span = trace.get_current_span()
+            span.set_attribute("llm.kv.bytes", l2_bytes)
+            span.set_attribute("llm.kv.direct_l3_blocks", len(missing))
+            # Its own label in the transfer time and span: Redis was not read here.
+            return out, "L3_direct"
         if missing:
             debug = logger.isEnabledFor(logging.DEBUG)
             if debug:
@@ -781,7 +808,7 @@ class DataPlane:
         return None if blocks is None else pack_blocks(blocks)
 
     async def get_block_refs(
-        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None, direct_l3: bool = False
     ) -> Optional[list[tuple[object, list[int]]]]:
         """:meth:`get_blocks` as references, the form compute workers use (see
         ``DataPlaneKVConnector.load``): a list of ``(source, indices)``, in block order,
@@ -789,17 +816,30 @@ class DataPlane:
         list of block arrays) or such a list inline, and ``indices`` pick the blocks from
         it. Blocks in L2 (and those just read from Redis, which are copied into L2 once)
         go by reference, without a copy here; a block L2 had to copy out of its shared
-        object goes inline. None if any block is missing or corrupt."""
-        blocks = await self._read_blocks(tenant, hashes)
+        object goes inline. None if any block is missing or corrupt. ``direct_l3``: blocks
+        not in L2 are not read here but go as ``InRedis`` segments, for a caller that
+        reads them from Redis itself (one transfer instead of two and a copy); whether
+        Redis has them is then the caller's to find out."""
+        blocks = await self._read_blocks(tenant, hashes, read_l3=not direct_l3)
         return None if blocks is None else self._hand_off(tenant, hashes, blocks)
 
     def _hand_off(self, tenant: str, hashes: list[str], blocks: list) -> list[tuple[object, list[int]]]:
-        """``blocks`` (of ``hashes``, just read) as ``get_block_refs`` segments."""
+        """``blocks`` (of ``hashes``, just read; None: left in Redis for the caller) as
+        ``get_block_refs`` segments."""
         segments: list[tuple[object, list[int]]] = []
         inline: Optional[list] = None  # the last segment's list, when it is inline
         last: Optional[_Resident] = None  # the last segment's object, when by reference
+        in_redis: Optional[InRedis] = None  # the last segment's source, when in Redis
         by_ref = inline_bytes = 0
         for h, value in zip(hashes, blocks):
+            if value is None:
+                if in_redis is None:
+                    in_redis, inline, last = InRedis([]), None, None
+                    segments.append((in_redis, []))
+                segments[-1][1].append(len(in_redis.hashes))
+                in_redis.hashes.append(h)
+                continue
+            in_redis = None
             group = self._l2.group_of(keys.block_key(tenant, h))
             index = group.index_of(value) if isinstance(group, _Resident) else None
             if index is None:
@@ -859,15 +899,29 @@ class DataPlane:
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
     ) -> int:
         """Bring blocks of ``hashes`` from L3 into L2; returns how many are now in L2."""
+        return await self._bring_up(tenant, hashes, "prefetched")
+
+    async def promote(
+        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+    ) -> int:
+        """:meth:`prefetch` of blocks a worker has just read from Redis itself
+        (``direct_l3``): in use, so they come up to L2 as blocks this replica read would
+        (counted as ``promoted``, not as prefetches). How many are now in L2."""
+        return await self._bring_up(tenant, hashes, "promoted")
+
+    async def _bring_up(self, tenant: str, hashes: list[str], why: str) -> int:
         await self.start()
         l2_keys = [keys.block_key(tenant, h) for h in hashes]
         missing = [i for i, k in enumerate(l2_keys) if k not in self._l2]
         if missing:
             try:
-                fetched = await self._redis(KV, self._store.get_blocks, tenant, [hashes[i] for i in missing])
+                # One MGET read straight into one array (resp.py), then copied once into
+                # this replica's object (redis-py's MGET moved each value through three
+                # to four copies of its own: 0.28 against 0.77 GB/s in one run here).
+                _, fetched = await self._redis(KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing])
             except RedisUnavailable:
                 fetched = []
-            good: list[tuple[int, bytes]] = []
+            good: list[tuple[int, memoryview]] = []
             for i, data in zip(missing, fetched):
                 if data is None:
                     continue
@@ -878,10 +932,10 @@ class DataPlane:
             owned, group = _own_blocks([data for _, data in good], self._object_store)
             for (i, _), view in zip(good, owned):
                 await self._put_l2(l2_keys[i], view, dirty=False, group=group)
-                self._prefetched.add(l2_keys[i])
-            num_fetched = len(good)
-            self._counts["prefetched"] += num_fetched
-            self._m.inc("prefetched", num_fetched)
+                if why == "prefetched":
+                    self._prefetched.add(l2_keys[i])
+            self._counts[why] += len(good)
+            self._m.inc(why, len(good))
         return sum(k in self._l2 for k in l2_keys)
 
     async def drop_l2_blocks(

@@ -196,6 +196,60 @@ def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
     )
 
 
+async def _mget_blocks(raw: Optional[RawBlockClient], client: aioredis.Redis, tenant: str, hashes: Sequence[str]):
+    """``RedisStore.get_blocks_packed`` over ``raw`` (None: redis-py's ``client``)."""
+    import numpy as np
+
+    if not hashes:
+        return np.empty(0, np.uint8), []
+    names = [keys.block_key(tenant, h) for h in hashes]
+    if raw is not None:
+        data, lengths = await raw.mget_packed(names)
+    else:
+        values = await client.mget(names)
+        present = [v for v in values if v is not None]
+        data = np.frombuffer(b"".join(present), dtype=np.uint8)
+        lengths = [None if v is None else len(v) for v in values]
+    view = memoryview(data).toreadonly()
+    out, offset = [], 0
+    for n in lengths:
+        if n is None:
+            out.append(None)
+            continue
+        out.append(view[offset : offset + n])
+        offset += n
+    return data, out
+
+
+class BlockReader:
+    """Reads of KV block payloads from the blocks' Redis (``DataPlaneConfig.kv_redis``,
+    else ``redis``), for a compute worker that reads the L3 blocks of a prefix itself:
+    one transfer, Redis to the worker, instead of Redis to a data-plane replica, a copy
+    into its object store, then the worker (``DataPlaneKVConnector``). The same clients
+    and errors as :class:`RedisStore`: a connection failure is ``RedisUnavailable``."""
+
+    def __init__(self, client: aioredis.Redis):
+        self._kv = client
+        self._raw = RawBlockClient.from_redis(client)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, environ=os.environ) -> "BlockReader":
+        return cls(_client(cfg, environ))
+
+    def _clients(self) -> list[aioredis.Redis]:
+        return [self._kv]
+
+    @_unavailable
+    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str]):
+        """As :meth:`RedisStore.get_blocks_packed`."""
+        return await _mget_blocks(self._raw, self._kv, tenant, hashes)
+
+    async def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+        await self._kv.aclose()
+
+
 class RedisStore:
     """KV blocks and session records in Redis. Construct with :meth:`from_config`."""
 
@@ -327,27 +381,7 @@ class RedisStore:
         """One MGET: ``(uint8 array of the present payloads back to back, read-only
         memoryview of each payload or None where absent)``. With the raw client the
         payloads are read from the socket straight into the array."""
-        import numpy as np
-
-        if not hashes:
-            return np.empty(0, np.uint8), []
-        names = [keys.block_key(tenant, h) for h in hashes]
-        if self._raw is not None:
-            data, lengths = await self._raw.mget_packed(names)
-        else:
-            values = await self._kv.mget(names)
-            present = [v for v in values if v is not None]
-            data = np.frombuffer(b"".join(present), dtype=np.uint8)
-            lengths = [None if v is None else len(v) for v in values]
-        view = memoryview(data).toreadonly()
-        out, offset = [], 0
-        for n in lengths:
-            if n is None:
-                out.append(None)
-                continue
-            out.append(view[offset : offset + n])
-            offset += n
-        return data, out
+        return await _mget_blocks(self._raw, self._kv, tenant, hashes)
 
     @_unavailable
     async def block_sizes(self, tenant: str, hashes: Sequence[str]) -> list[Optional[int]]:

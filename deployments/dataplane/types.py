@@ -31,3 +31,13 @@ class SessionRecord:
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at
+
+
+@dataclass(slots=True)
+class InRedis:
+    """The source of a ``DataPlane.get_block_refs`` segment whose blocks are only in Redis
+    (L3), for a caller that reads L3 itself (``direct_l3``): their ``hashes``, which the
+    segment's indices pick from. The caller reads them (``redis_store.BlockReader``),
+    checks each, and asks the data plane to ``promote`` them into L2."""
+
+    hashes: list[str]

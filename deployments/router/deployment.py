@@ -208,7 +208,10 @@ class Router:
         if not hashes:
             return
         try:
-            call = self._dataplane.lookup_prefix.remote(request.tenant, hashes, shard_key=hashes[0], with_refs=True)
+            call = self._dataplane.lookup_prefix.remote(
+                request.tenant, hashes, shard_key=hashes[0], with_refs=True,
+                direct_l3=self._config.dataplane.direct_l3_reads,
+            )
             # Resolves once the call is assigned to a data-plane replica (not answered).
             # Bounded: with no data-plane replica to take it, the worker asks itself later.
             request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=0.2)

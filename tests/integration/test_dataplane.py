@@ -335,6 +335,48 @@ async def test_connector_lookup_load_save_and_bandwidth(dataplane):
     assert await handed_off() == (before[0] + 4 * nbytes, before[1])
 
 
+async def test_connector_reads_l3_itself_and_the_replica_promotes_it(dataplane, redis_server):  # noqa: F811
+    """``direct_l3_reads``: after a flush the worker's connector reads the blocks from
+    Redis itself (the data plane hands over hashes, no reference and no copy), and a
+    moment later the owning replica has them in L2 again, handed out by reference."""
+    from deployments.dataplane.redis_store import BlockReader
+
+    tenant = tenant_name()
+    config = AppConfig.model_validate(dataplane_args(redis_server.url))
+    reader = BlockReader.from_config(config.dataplane.redis)
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE, l3_reader=reader, promote_delay_s=0.1)
+    try:
+        hashes, blocks = make_blocks(tenant, 5, seed=9)
+        conn.save(tenant, hashes, blocks)
+        await conn.drain()
+        await dataplane.flush_l2.remote(shard_key=hashes[0])
+
+        async def stats():
+            return await dataplane.stats.remote(shard_key=hashes[0])
+
+        before = await stats()
+        hit = await conn.lookup(tenant, hashes)
+        assert (hit.num_blocks, hit.tier) == (5, TIER_L3)
+        assert await conn.load(tenant, hashes) == blocks
+        assert conn.direct_l3["reads"] == 1 and conn.direct_l3["fallbacks"] == 0
+        mid = await stats()
+        assert mid.get("get_hits_L3", 0) == before.get("get_hits_L3", 0)  # Redis not read there
+        assert mid["handoff_blocks_direct_l3"] - before.get("handoff_blocks_direct_l3", 0) == 5
+        assert mid.get("handoff_bytes_ref", 0) == before.get("handoff_bytes_ref", 0)
+        assert conn.bandwidth_bytes_per_s(TIER_L3) > 0
+
+        await conn.drain()  # the promotion
+        after = await stats()
+        assert after["promoted"] - before.get("promoted", 0) == 5
+        assert (await conn.lookup(tenant, hashes)).tier == TIER_L2
+        assert await conn.load(tenant, hashes) == blocks
+        nbytes = sum(len(b) for b in blocks)
+        assert (await stats())["handoff_bytes_ref"] - after.get("handoff_bytes_ref", 0) == nbytes
+        assert conn.direct_l3["reads"] == 1
+    finally:
+        await reader.close()
+
+
 async def test_a_chain_continued_later_stays_on_one_shard(dataplane):
     # A session's next turn exports only its new blocks. Sharded by the first of those,
     # they could land on another replica than the chain's first block, where every lookup

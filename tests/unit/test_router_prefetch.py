@@ -134,7 +134,9 @@ async def test_router_starts_the_lookup_the_worker_would_make(one_worker):
     request = _session_request()
     await router._start_kv_lookup(request)
     (tenant, hashes), kwargs = dp.lookup_prefix.calls[0]
-    assert tenant == "default" and len(hashes) == 3 and kwargs == {"shard_key": hashes[0], "with_refs": True}
+    # With the L3 blocks as hashes: the worker reads those from Redis itself (the default).
+    assert tenant == "default" and len(hashes) == 3
+    assert kwargs == {"shard_key": hashes[0], "with_refs": True, "direct_l3": True}
     # What the engine checks against its own hashes before it awaits the call.
     assert request.kv_lookup == "lookup-ref" and request.kv_lookup_key == hashes[-1]
 

@@ -48,8 +48,10 @@ class PrefixHit:
     # The slowest tier any of those blocks sits in (what bounds the fetch time).
     tier: str = TIER_NONE
     num_bytes: int = 0
-    # When asked for and every block is in L2: the blocks already, as the data plane's
-    # ``get_block_refs`` segments (references, nothing copied), so no second call is needed.
+    # When asked for and every block is in L2 (or, with ``direct_l3``, in any tier): the
+    # blocks already, as the data plane's ``get_block_refs`` segments (references, nothing
+    # copied; blocks only in Redis by hash, for the worker to read), so no second call is
+    # needed.
     refs: Optional[list] = None
 
 

@@ -11,8 +11,12 @@ through its Serve handle, as a compute worker drives it (blocks travel through R
 object store): ``put_blocks_packed`` (into host memory, written behind to Redis),
 ``get_block_refs`` plus mapping the referenced objects here, the worker's read, from
 host memory (L2: once right after the puts, while the replicas write them behind to
-Redis, and again once that finished) and, after ``flush_l2``, from Redis (L3); and
-``get_blocks_packed`` from L2 (the bytes copied into the reply) for comparison. On one
+Redis, and again once that finished); after ``flush_l2``, from Redis (L3) as a worker
+reads it (``DataPlaneKVConnector.load`` with a ``BlockReader``: the blocks straight from
+Redis and checked; the data plane promotes them into L2 a second later, which is not
+timed) and as the data plane reads it (its MGET and copy into the object store,
+``direct_l3_reads`` off); and ``get_blocks_packed`` from L2 (the bytes copied into the
+reply) for comparison. On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
 Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the redis-server
@@ -91,9 +95,9 @@ async def _timed(calls, concurrency: int, total_bytes: int):
     return total_bytes / (time.perf_counter() - start) / 1e9, results
 
 
-async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str) -> dict:
+async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader) -> dict:
     from deployments.dataplane.blocks import block_arrays
-    from deployments.dataplane.connector import resolve_block_refs
+    from deployments.dataplane.connector import DataPlaneKVConnector, resolve_block_refs
 
     groups = [
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
@@ -118,6 +122,15 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     def get_packed(g):
         return lambda: handle.get_blocks_packed.remote(tenant, g[0], shard_key=g[0][0])
 
+    # A worker's read of blocks only in L3 (dataplane.direct_l3_reads, the default): its
+    # connector asks the data plane, reads the blocks from Redis itself and checks them,
+    # then has the data plane promote them into L2 a second later (PROMOTE_DELAY_S; not
+    # waited for by the worker, and mostly after the timed reads).
+    connector = DataPlaneKVConnector(handle, 16, timeout_s=120, l3_reader=reader)
+
+    def get_direct(g):
+        return lambda: connector.load(tenant, g[0])
+
     put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total)
     assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
     # Right after the puts the replicas are still writing them behind to Redis, which
@@ -131,7 +144,14 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     get_l2_packed_gbps, got = await _timed([get_packed(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
     await flush_all(handle)
-    get_l3_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
+    get_l3_gbps, got = await _timed([get_direct(g) for g in groups], concurrency, total)
+    assert all(r is not None for r in got), "a block went missing from L3"
+    assert connector.direct_l3["fallbacks"] == 0, connector.direct_l3
+    await connector.drain()  # the promotions they started (a second later), then none left
+    await flush_all(handle)
+    # The data plane's own read from Redis: an MGET, its copy into the object store,
+    # mapped here (as with direct_l3_reads off, and as a fallback).
+    get_l3_dataplane_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L3"
     del got
     await flush_all(handle)  # the next round starts from an empty L2
@@ -139,6 +159,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         "put": put_gbps,
         "get_l2": get_l2_gbps,
         "get_l3": get_l3_gbps,
+        "get_l3_through_dataplane": get_l3_dataplane_gbps,
         "get_l2_during_write_behind": get_busy_gbps,
         "get_l2_packed": get_l2_packed_gbps,
     }
@@ -252,16 +273,18 @@ async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, round
     return {k: statistics.median(v[1:]) for k, v in out.items()}
 
 
-async def measure_worker_wait(handle, sizes: list[int], repeats: int = 5) -> dict:
-    """``DataPlaneKVConnector.load`` of a prefix of N small-model blocks, from L2 and from
-    L3: median milliseconds and GB/s."""
+async def measure_worker_wait(handle, sizes: list[int], *, reader, repeats: int = 5) -> dict:
+    """``DataPlaneKVConnector.load`` of a prefix of N small-model blocks, from L2, from L3
+    (read by the worker itself, the default) and from L3 through the data plane (without
+    a reader): median milliseconds and GB/s."""
     from deployments.dataplane.blocks import BlockHeader, encode_block
     from deployments.dataplane.connector import DataPlaneKVConnector
 
     nbytes = 4
     for d in SMALL_BLOCK_SHAPE:
         nbytes *= d
-    connector = DataPlaneKVConnector(handle, SMALL_BLOCK_SHAPE[3], timeout_s=60)
+    connector = DataPlaneKVConnector(handle, SMALL_BLOCK_SHAPE[3], timeout_s=60, l3_reader=reader)
+    through_dataplane = DataPlaneKVConnector(handle, SMALL_BLOCK_SHAPE[3], timeout_s=60)
     results = {}
     for n in sizes:
         hashes = [f"w{n:04d}{i:026x}" for i in range(n)]
@@ -269,18 +292,22 @@ async def measure_worker_wait(handle, sizes: list[int], repeats: int = 5) -> dic
         connector.save("bench-worker", hashes, blocks)
         await connector.drain()
         size = sum(len(b) for b in blocks)
-        times = {"L2": [], "L3": []}
+        times = {"L2": [], "L3": [], "L3_through_dataplane": []}
         for _ in range(repeats):
             s = time.perf_counter()
             got = await connector.load("bench-worker", hashes)
             times["L2"].append(time.perf_counter() - s)
             assert got is not None and len(got) == n, "worker load from L2 missed"
-        for _ in range(repeats):
-            await flush_all(handle)
-            s = time.perf_counter()
-            got = await connector.load("bench-worker", hashes)
-            times["L3"].append(time.perf_counter() - s)
-            assert got is not None and len(got) == n, "worker load from L3 missed"
+        for tier, reading in (("L3", connector), ("L3_through_dataplane", through_dataplane)):
+            for _ in range(repeats):
+                await connector.drain()  # the last read's promotion, before L2 is emptied
+                await flush_all(handle)
+                s = time.perf_counter()
+                got = await reading.load("bench-worker", hashes)
+                times[tier].append(time.perf_counter() - s)
+                assert got is not None and len(got) == n, f"worker load from {tier} missed"
+        await connector.drain()
+        assert connector.direct_l3["fallbacks"] == 0, connector.direct_l3
         del got
         results[str(n)] = {
             "bytes": size,
@@ -295,6 +322,18 @@ async def measure_worker_wait(handle, sizes: list[int], repeats: int = 5) -> dic
             f"{tier} {statistics.median(t) * 1000:.1f} ms" for tier, t in times.items()))
         await flush_all(handle)
     return results
+
+
+async def with_reader(cfg, fn, *args):
+    """``fn(*args, reader=...)`` with a worker's reader of the blocks' Redis."""
+    from deployments.dataplane.redis_store import BlockReader
+
+    dc = cfg.dataplane
+    reader = BlockReader.from_config(dc.kv_redis or dc.redis)
+    try:
+        return await fn(*args, reader=reader)
+    finally:
+        await reader.close()
 
 
 def main(argv=None) -> int:
@@ -319,13 +358,22 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from app.builder import THROUGHPUT_ENV, with_serve_runtime
+    from app.builder import MEMORY_ENV, THROUGHPUT_ENV, with_serve_runtime
     from app.config import AppConfig
     from app.local_redis import LocalRedis
     from app.object_store import prefault_object_store
     from deployments.dataplane.blocks import BlockHeader, encode_block
     from deployments.dataplane.deployment import dataplane_deployment
 
+    if any(os.environ.get(k) != v for k, v in MEMORY_ENV.items()):
+        # This process does a worker's part, so it runs with a worker's malloc settings
+        # (serve_runtime.keep_freed_memory, on by default): read from the environment when
+        # the process starts, so it starts again with them. Without them each 16-32 MiB
+        # read buffer here faulted in fresh pages, which a worker's does not.
+        _say("starting again with a worker's malloc settings (app.builder.MEMORY_ENV)")
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "loadtests.dataplane_throughput", *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, **MEMORY_ENV})
     size = args.block_kib * 1024
     results = []
     bounds = worker = None
@@ -358,7 +406,7 @@ def main(argv=None) -> int:
             warm = rnd < args.warmup
             label = "warm-up" if warm else f"round {rnd - args.warmup + 1}"
             _say(f"{label}: data plane, {args.num_blocks} blocks of {value_size} bytes")
-            ours = asyncio.run(run_ours(handle, blocks, hashes, args.batch, args.concurrency, f"bench{rnd}"))
+            ours = asyncio.run(with_reader(cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, f"bench{rnd}"))
             _say(f"{label}: redis-benchmark, same value size")
             peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency)
             _say(f"{label}: ours {json.dumps({k: round(v, 3) for k, v in ours.items()})} "
@@ -370,6 +418,7 @@ def main(argv=None) -> int:
                     "ratios": {
                         "put_over_redis_set": ours["put"] / peer["set"],
                         "get_l3_over_redis_get": ours["get_l3"] / peer["get"],
+                        "get_l3_through_dataplane_over_redis_get": ours["get_l3_through_dataplane"] / peer["get"],
                         "get_l2_over_redis_get": ours["get_l2"] / peer["get"],
                         "get_l2_during_write_behind_over_redis_get": ours["get_l2_during_write_behind"] / peer["get"],
                         "get_l2_packed_over_redis_get": ours["get_l2_packed"] / peer["get"],
@@ -377,7 +426,7 @@ def main(argv=None) -> int:
                 })
         if args.worker_blocks:
             sizes = [int(x) for x in args.worker_blocks.split(",") if x]
-            worker = asyncio.run(measure_worker_wait(handle, sizes))
+            worker = asyncio.run(with_reader(cfg, measure_worker_wait, handle, sizes))
         serve.delete("dpbench")
         if not args.no_bounds:
             _say("bounds: Ray object store, Serve handle, Redis alone, put with no write-behind")

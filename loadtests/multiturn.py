@@ -17,7 +17,9 @@ drift on a shared machine hits them alike:
 * ``l2``: KV reuse on, the worker's prefix cache off; blocks stay in the data plane's host
   memory between turns;
 * ``l3``: KV reuse on; the data plane's host memory is flushed before every turn, so the
-  blocks come back from Redis;
+  blocks come back from Redis (the worker reads them itself, ``dataplane.direct_l3_reads``);
+* ``l3_dataplane``: as ``l3`` with ``direct_l3_reads`` off: the data plane reads them from
+  Redis and hands them over through the object store (its own deployment);
 * ``recompute``: KV reuse off (``dataplane.kv_reuse: false``); every turn prefills its
   whole context.
 
@@ -51,6 +53,7 @@ WORDS = (
 ).split()
 
 
+MODES = ("l1", "l2", "l3", "l3_dataplane", "recompute")
 WARMUP_CONVERSATIONS = 6  # 2 data-plane replicas: all six on one of them has odds 1/32
 
 
@@ -69,6 +72,7 @@ def app_args(
     prefault_heap_bytes: Optional[int] = None,
     log_level: str = "INFO",
     with_worker: bool = False,
+    direct_l3_reads: bool = True,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
     if not l1:
@@ -84,6 +88,7 @@ def app_args(
             "enabled": True,
             "kv_reuse": kv_reuse,
             "num_replicas": 2,
+            "direct_l3_reads": direct_l3_reads,
             "redis": {"url": redis_url},
             **({"kv_redis": {"url": kv_redis_url}} if kv_redis_url else {}),
         },
@@ -149,7 +154,7 @@ def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> li
             # A person reads and types between turns; the previous turn's KV blocks are
             # written behind in that time (a turn fired at once may find them unsaved).
             time.sleep(args.think_s)
-            if mode == "l3":
+            if mode in ("l3", "l3_dataplane"):
                 flush_l2(app_name)
             ttfts.append(ttft_of_turn(client, sid, text, args.reply_tokens))
             _say(f"  {mode} turn {t + 1}: ttft {1000 * ttfts[-1]:.0f} ms")
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8124)
-    p.add_argument("--modes", default="l1,l2,l3,recompute", help="comma-separated subset of l1,l2,l3,recompute")
+    p.add_argument("--modes", default="l1,l2,l3,recompute", help="comma-separated subset of " + ",".join(MODES))
     p.add_argument(
         "--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
         help="run the replicas without serve_runtime.keep_freed_memory (to measure what it saves)",
@@ -193,8 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
-    if not wanted <= {"l1", "l2", "l3", "recompute"}:
-        p.error(f"--modes: unknown {sorted(wanted - {'l1', 'l2', 'l3', 'recompute'})}")
+    if not wanted <= set(MODES):
+        p.error(f"--modes: unknown {sorted(wanted - set(MODES))}")
 
     import ray
     from ray import serve
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
 
     model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
     base_url = f"http://127.0.0.1:{args.port}"
-    runs: dict[str, list[list[float]]] = {"l1": [], "l2": [], "l3": [], "recompute": []}
+    runs: dict[str, list[list[float]]] = {m: [] for m in MODES}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis, contextlib.ExitStack() as stack:
         kv_server = start_kv_redis(args.kv_redis, stack)
@@ -215,16 +220,21 @@ def main(argv=None) -> int:
         use_serve_process_env(args.ingress)  # as app.cli does
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
-            for kv_reuse, l1, all_modes in ((True, True, ("l1",)), (True, False, ("l2", "l3")), (False, False, ("recompute",))):
+            for kv_reuse, l1, direct, all_modes in (
+                (True, True, True, ("l1",)),
+                (True, False, True, ("l2", "l3")),
+                (True, False, False, ("l3_dataplane",)),
+                (False, False, True, ("recompute",)),
+            ):
                 modes = [m for m in all_modes if m in wanted]
                 if not modes:
                     continue
-                _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1}")
+                _say(f"round {rnd + 1}/{args.rounds}: deploying with kv_reuse={kv_reuse} l1={l1} direct_l3_reads={direct}")
                 serve.start(http_options={"host": "127.0.0.1", "port": args.port})
                 serve.run(
                     build_app(app_args(
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
-                        args.prefault_heap_bytes, args.log_level, args.with_worker,
+                        args.prefault_heap_bytes, args.log_level, args.with_worker, direct,
                     )),
                     name="bench",
                     route_prefix="/",
@@ -258,7 +268,7 @@ def main(argv=None) -> int:
     late = range(3, args.turns)  # turns >= 4
     ratios = {}
     if "recompute" in table:
-        for mode in ("l1", "l2", "l3"):
+        for mode in ("l1", "l2", "l3", "l3_dataplane"):
             if mode in table:
                 ratios[f"recompute_over_{mode}_turns_ge4"] = statistics.median(
                     table["recompute"][t] / table[mode][t] for t in late

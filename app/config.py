@@ -557,8 +557,11 @@ class ServeRuntimeConfig(_Strict):
         "most a quarter of the memory available); the worker runs on one malloc arena "
         "(MALLOC_ARENA_MAX=1) for it. 0 (the default) turns it off: with 512 MiB a "
         "session's L2 prefix decodes stopped faulting (4-10 ms at every turn against "
-        "spikes of 13-20), but its loads from Redis (L3) took 3-4x as long: the data "
-        "plane's MGET slowed, with no more page faults (loadtests/README.md).",
+        "spikes of 13-20), but its loads from Redis (L3) through the data plane took 3-4x "
+        "as long: the data plane's MGET slowed, with no more page faults. Since workers "
+        "read L3 themselves (dataplane.direct_l3_reads) those reads stopped faulting with "
+        "it (17 blocks 12 ms against 30), but TTFT did not follow in two runs each "
+        "(loadtests/README.md).",
     )
 
     @property

@@ -368,8 +368,8 @@ def main(argv=None) -> int:
     if any(os.environ.get(k) != v for k, v in MEMORY_ENV.items()):
         # This process does a worker's part, so it runs with a worker's malloc settings
         # (serve_runtime.keep_freed_memory, on by default): read from the environment when
-        # the process starts, so it starts again with them. Without them each 16-32 MiB
-        # read buffer here faulted in fresh pages, which a worker's does not.
+        # the process starts, so it starts again with them. Without them every 16-32 MiB
+        # read buffer here faulted in fresh pages; a worker's reuses what malloc kept.
         _say("starting again with a worker's malloc settings (app.builder.MEMORY_ENV)")
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "loadtests.dataplane_throughput", *(sys.argv[1:] if argv is None else argv)],

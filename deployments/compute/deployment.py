@@ -78,7 +78,8 @@ class ComputeWorker:
 
             dc = self._config.dataplane
             reader = None
-            if dc.direct_l3_reads:
+            if dc.direct_l3_reads and self._config.engine.name == "torch":
+                # (vLLM's own connector reads Redis in its processes: vllm_kv_connector.py.)
                 from deployments.dataplane.redis_store import BlockReader
 
                 reader = BlockReader.from_config(dc.kv_redis or dc.redis)

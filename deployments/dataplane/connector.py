@@ -181,7 +181,8 @@ class DataPlaneKVConnector(KVConnector):
                 segments = await self._call(
                     "get_block_refs", tenant, hashes, shard_key=hashes[0], direct_l3=self.direct_l3_reads
                 )
-            t_map, faults = time.perf_counter(), minor_faults()
+            debug = logger.isEnabledFor(logging.DEBUG)
+            t_map, faults = time.perf_counter(), minor_faults() if debug else 0
             read_l3 = (lambda wanted: self._read_l3(tenant, wanted, hashes[0])) if self.direct_l3_reads else None
             blocks = None if segments is None else await resolve_block_refs(segments, read_l3)
             if blocks is None and segments is not None:
@@ -190,14 +191,15 @@ class DataPlaneKVConnector(KVConnector):
                 self.direct_l3["fallbacks"] += 1
                 segments = await self._call("get_block_refs", tenant, hashes, shard_key=hashes[0])
                 blocks = None if segments is None else await resolve_block_refs(segments)
-            # The worker's part of a load: the call (the data plane's read) and mapping
-            # what it referenced, with reading L3 blocks from Redis (the torch engine logs
-            # the whole as load_ms), and the page faults this thread took meanwhile.
-            logger.debug(
-                "kv load: blocks=%d call_ms=%.1f map_ms=%.1f map_faults=%d",
-                len(hashes), 1000 * (t_map - started), 1000 * (time.perf_counter() - t_map),
-                minor_faults() - faults,
-            )
+            if debug:
+                # The worker's part of a load: the call (the data plane's read) and mapping
+                # what it referenced, with reading L3 blocks from Redis (the torch engine
+                # logs the whole as load_ms), and the page faults this thread took meanwhile.
+                logger.debug(
+                    "kv load: blocks=%d call_ms=%.1f map_ms=%.1f map_faults=%d",
+                    len(hashes), 1000 * (t_map - started), 1000 * (time.perf_counter() - t_map),
+                    minor_faults() - faults,
+                )
         except Exception as e:
             logger.warning("KV load failed, treating as a miss: %s", e)
             return None
@@ -231,7 +233,8 @@ class DataPlaneKVConnector(KVConnector):
         return views
 
     async def _read_checked(self, tenant: str, hashes: list[str]) -> Optional[list]:
-        started, faults = time.perf_counter(), minor_faults()
+        debug = logger.isEnabledFor(logging.DEBUG)
+        started, faults = time.perf_counter(), minor_faults() if debug else 0
         try:
             _, views = await self._reader.get_blocks_packed(tenant, hashes)
         except RedisUnavailable as e:
@@ -240,7 +243,7 @@ class DataPlaneKVConnector(KVConnector):
                 "direct L3 read failed, reading L3 through the data plane for %.0fs: %s", DIRECT_L3_RETRY_S, e
             )
             return None
-        t_read, faults_read = time.perf_counter(), minor_faults()
+        t_read, faults_read = time.perf_counter(), minor_faults() if debug else 0
         for h, view in zip(hashes, views):
             try:
                 if view is None:
@@ -249,7 +252,7 @@ class DataPlaneKVConnector(KVConnector):
             except CorruptBlockError as e:
                 logger.info("direct L3 read: block %s of %s unusable (%s); asking the data plane", h, tenant, e)
                 return None
-        if logger.isEnabledFor(logging.DEBUG):
+        if debug:
             # As the data plane's "kv blocks read from L3" line: the MGET (with the page
             # faults this thread took in it) and the blocks' checks.
             logger.debug(

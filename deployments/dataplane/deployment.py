@@ -717,22 +717,7 @@ class DataPlane:
             out[i] = data
         missing = [i for i, d in enumerate(out) if d is None]
         n_l2 = len(hashes) - len(missing)
-        if missing and not read_l3:
-            # Left for the caller to read from Redis: counted as handed off, not as hits
-            # (the caller reads them, or falls back to get_block_refs if it cannot).
-            l2_bytes = sum(len(b) for b in out if b is not None)
-            self._counts["bytes_out"] += l2_bytes
-            self._m.inc("bytes_out", l2_bytes, tags={"tier": TIER_L2})
-            self._m.inc("hits", n_l2, tags={"tier": TIER_L2})
-            self._counts["get_hits_L2"] += n_l2
-            self._counts["handoff_blocks_direct_l3"] += len(missing)
-            self._m.inc("handoff_direct_l3", len(missing))
-            span = trace.get_current_span()
-            span.set_attribute("llm.kv.bytes", l2_bytes)
-            span.set_attribute("llm.kv.direct_l3_blocks", len(missing))
-            # Its own label in the transfer time and span: Redis was not read here.
-            return out, "L3_direct"
-        if missing:
+        if missing and read_l3:
             debug = logger.isEnabledFor(logging.DEBUG)
             if debug:
                 t_read, faults_read = time.perf_counter(), minor_faults()
@@ -773,18 +758,27 @@ class DataPlane:
             for i, view in zip(missing, owned):
                 out[i] = view
                 await self._put_l2(l2_keys[i], view, dirty=False, group=group)
-        l3_bytes = sum(len(out[i]) for i in missing)
-        l2_bytes = sum(len(b) for b in out) - l3_bytes
+        read = missing if read_l3 else []  # what came from Redis here
+        l3_bytes = sum(len(out[i]) for i in read)
+        l2_bytes = sum(len(b) for b in out if b is not None) - l3_bytes
         self._counts["bytes_out"] += l2_bytes + l3_bytes
         self._m.inc("bytes_out", l2_bytes, tags={"tier": TIER_L2})
         self._m.inc("bytes_out", l3_bytes, tags={"tier": TIER_L3})
         self._m.inc("hits", n_l2, tags={"tier": TIER_L2})
-        self._m.inc("hits", len(missing), tags={"tier": TIER_L3})
+        self._m.inc("hits", len(read), tags={"tier": TIER_L3})
         self._counts["get_hits_L2"] += n_l2
-        self._counts["get_hits_L3"] += len(missing)
+        self._counts["get_hits_L3"] += len(read)
         span = trace.get_current_span()
         span.set_attribute("llm.kv.bytes", l2_bytes + l3_bytes)
-        span.set_attribute("llm.kv.l3_blocks", len(missing))
+        span.set_attribute("llm.kv.l3_blocks", len(read))
+        if missing and not read_l3:
+            # Left (None) for the caller to read from Redis: handed off, not hits (the
+            # caller reads them, or falls back to get_block_refs if it cannot).
+            self._counts["handoff_blocks_direct_l3"] += len(missing)
+            self._m.inc("handoff_direct_l3", len(missing))
+            span.set_attribute("llm.kv.direct_l3_blocks", len(missing))
+            # Its own label in the transfer time and span: Redis was not read here.
+            return out, "L3_direct"
         return out, TIER_L3 if missing else TIER_L2
 
     async def get_blocks(

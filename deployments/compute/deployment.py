@@ -52,6 +52,17 @@ def _until_length_end(remaining_tokens: int, tokens_per_s: float) -> float:
 WARMUP_PROMPT_TOKEN_IDS = list(range(10, 42))
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (NaN where unknown): a replica's start before
+    its constructor (the worker process, Ray's and Serve's imports) is part of its start."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a log figure only
+        return float("nan")
+
+
 class ComputeWorker:
     """Serve deployment class (bound in ``app.builder``)."""
 
@@ -72,6 +83,17 @@ class ComputeWorker:
         # generate() calls this replica took (placement tests read it from routing stats).
         self._num_requests = 0
         started = time.monotonic()
+        # Where the replica's start went (the ready line): a replacement replica's start is
+        # how long its share of the traffic waits, and on a busy node most of it is imports.
+        phases: dict[str, float] = {}
+        mark = started
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = now - mark
+            mark = now
+
         kv_connector = None
         if dataplane is not None and self._config.dataplane.kv_reuse:
             from deployments.dataplane.connector import DataPlaneKVConnector
@@ -85,7 +107,9 @@ class ComputeWorker:
                 reader = BlockReader.from_config(dc.kv_redis or dc.redis)
             kv_connector = DataPlaneKVConnector(dataplane, dc.block_size, l3_reader=reader)
         self._kv_connector = kv_connector
+        phase("connector")
         self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
+        phase("engine")
         self._prefault = None
         if kv_connector is not None and self._config.engine.name == "torch":
             # The torch engine's KV blocks go to and come from the data plane through the
@@ -99,18 +123,38 @@ class ComputeWorker:
             # on one malloc arena on the same condition.
             self._heap_prefault = HeapPrefault(self._config.serve_runtime.prefault_heap_bytes, who="ComputeWorker")
         await self._engine.start()
+        phase("load")
         if self._config.engine.warmup:
             await self._warm_up()
+            phase("warm_up")
         if self._heap_prefault is not None:
             # Done before the first request: beside traffic it slows the very buffers it
             # is for (app/host_memory.py:HeapPrefault).
             await asyncio.to_thread(self._heap_prefault.finished.wait)
+            phase("heap_prefault")
         self._init_metrics()
+        total = time.monotonic() - started
+        before = _process_age_s() - total
+        start_gauge = metrics.Gauge(
+            "llm_worker_start_seconds",
+            "How long this replica took to start, by phase: process (before the constructor: "
+            "the worker process, Ray's and Serve's imports), connector, engine (its imports "
+            "and construction), load, warm_up, heap_prefault, and constructor (all of these "
+            "but process).",
+            tag_keys=("engine", "phase"),
+        )
+        for name, seconds in {**phases, "constructor": total, "process": before}.items():
+            if seconds == seconds:  # not NaN
+                start_gauge.set(seconds, tags={"engine": self._config.engine.name, "phase": name})
+        impl = getattr(self._engine, "model_impl", None)
         logger.info(
-            "ComputeWorker ready: engine=%s model=%s in %.1fs",
+            "ComputeWorker ready: engine=%s%s model=%s in %.1fs (%s; process up %.1fs before)",
             self._config.engine.name,
+            f" ({impl})" if impl else "",
             self._config.model.id,
-            time.monotonic() - started,
+            total,
+            " ".join(f"{k} {v:.1f}s" for k, v in phases.items()),
+            before,
         )
 
     def _init_metrics(self) -> None:

@@ -21,13 +21,19 @@ from deployments.compute.engines.prefix_cache import PrefixCache
 B, H, D = 2, 3, 4
 
 
+@pytest.fixture(params=["native", "transformers"])
+def layer_class(request):
+    """The layer as the native model gets it, and mixed into transformers' DynamicLayer."""
+    return GrowableLayer if request.param == "native" else kv_buffer._hf_growable_layer()
+
+
 def _states(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, H, t, D, generator=g), torch.randn(B, H, t, D, generator=g)
 
 
-def test_updates_equal_concatenation_and_write_in_place_until_the_room_is_gone():
-    layer = GrowableLayer()
+def test_updates_equal_concatenation_and_write_in_place_until_the_room_is_gone(layer_class):
+    layer = layer_class()
     ref_k = torch.empty(B, H, 0, D)
     ref_v = torch.empty(B, H, 0, D)
     grew = 0
@@ -48,8 +54,8 @@ def test_updates_equal_concatenation_and_write_in_place_until_the_room_is_gone()
     assert grew >= 2  # the sizes above outgrow the room more than once
 
 
-def test_tensors_assigned_from_outside_are_never_written_into():
-    layer = GrowableLayer()
+def test_tensors_assigned_from_outside_are_never_written_into(layer_class):
+    layer = layer_class()
     layer.update(*_states(8, 0))
     # What the engine's batch merge/row drop do: assign views of other memory.
     backing_k = torch.full((B, H, 20, D), 7.0)
@@ -67,7 +73,8 @@ def test_tensors_assigned_from_outside_are_never_written_into():
 
 
 def test_batch_select_and_crop_keep_working():
-    layer = GrowableLayer()
+    """transformers' cache operations (its DynamicLayer's) on the mixed-in layer."""
+    layer = kv_buffer._hf_growable_layer()()
     k, v = _states(10, 0)
     layer.update(k, v)
     layer.batch_select_indices(torch.tensor([1]))
@@ -190,17 +197,23 @@ def test_decode_and_l1_hand_out_spans_with_room():
     assert torch.equal(got, src[:, :, :, :8]) and room_buffer(got).shape[3] == 15
 
 
-def test_model_forward_on_growable_layers_matches_dynamic_cache(tiny_model_path, monkeypatch):
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_model_forward_on_growable_layers_matches_dynamic_cache(tiny_model_path, monkeypatch, impl):
     """A prefill then decode steps (outgrowing the room several times) give the logits of
-    transformers' own DynamicCache, and so does a prefill onto an imported prefix."""
+    transformers' model on its own DynamicCache, and so does a prefill onto an imported
+    prefix: with transformers' model on the mixed-in layers, and with the native model."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from deployments.compute.engines.llama import LlamaForCausalLM
+
     monkeypatch.setattr(kv_buffer, "MIN_ROOM_TOKENS", 2)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
-    num_layers = model.config.num_hidden_layers
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    model = hf_model if impl == "transformers" else LlamaForCausalLM.from_pretrained(tiny_model_path)
+    hf = impl == "transformers"
+    num_layers = hf_model.config.num_hidden_layers
     ids = torch.randint(10, 200, (1, 40), generator=torch.Generator().manual_seed(0))
 
-    def run(cache, start: int):
+    def run(cache, start: int, model=model):
         logits = []
         with torch.inference_mode():
             out = model(
@@ -222,15 +235,15 @@ def test_model_forward_on_growable_layers_matches_dynamic_cache(tiny_model_path,
                 logits.append(out.logits[:, -1])
         return torch.cat(logits)
 
-    reference = run(DynamicCache(), 0)
-    torch.testing.assert_close(run(growable_cache(num_layers), 0), reference, rtol=0, atol=1e-5)
+    reference = run(DynamicCache(), 0, hf_model)
+    torch.testing.assert_close(run(growable_cache(num_layers, hf=hf), 0), reference, rtol=0, atol=1e-5)
 
     # The first 16 tokens' K/V, imported into a span with room: only ids[16:] are fed.
     prefix_cache = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=ids[:, :16], past_key_values=prefix_cache, use_cache=True)
+        hf_model(input_ids=ids[:, :16], past_key_values=prefix_cache, use_cache=True)
     span = empty_with_room((num_layers, 2) + tuple(prefix_cache.layers[0].keys.shape[1:]), 20, dtype=torch.float32)
     for i, layer in enumerate(prefix_cache.layers):
         span[i, 0].copy_(layer.keys[0])
         span[i, 1].copy_(layer.values[0])
-    torch.testing.assert_close(run(growable_cache(num_layers, span), 16), reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(run(growable_cache(num_layers, span, hf=hf), 16), reference, rtol=0, atol=1e-5)

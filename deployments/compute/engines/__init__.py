@@ -22,6 +22,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
         model_id=config.model.id,
         block_size=config.dataplane.block_size,
         prefix_cache_bytes=config.engine.prefix_cache_bytes,
+        model_impl=config.engine.model_impl,
     )
 
 

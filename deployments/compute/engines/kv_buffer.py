@@ -21,8 +21,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 MIN_ROOM_TOKENS = 64
 # Room that a prefix imported for a request gets for its output tokens, beyond the
@@ -67,14 +65,18 @@ def room_for(num_tokens: int) -> int:
     return max(MIN_ROOM_TOKENS, num_tokens // 4)
 
 
-class GrowableLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys``/``values`` are views of the first ``n`` tokens of
+class GrowableLayer:
+    """A cache layer whose ``keys``/``values`` are views of the first ``n`` tokens of
     buffers it owns; ``update`` writes new tokens into the buffers' room.
 
     Tensors assigned to ``keys``/``values`` from outside (the engine's batch merge and row
     drop, ``crop``, ``batch_select_indices``) are adopted as they are, with no room: this
     layer never writes into memory it did not allocate (or was not handed as its own with
     ``num_tokens`` < the buffer's length), and the next update moves them into new buffers.
+
+    The native model (``llama.py``) calls it as it is; transformers' models get it mixed
+    into their ``DynamicLayer`` (:func:`growable_cache` with ``hf=True``), which brings
+    the rest of their cache layer's methods.
     """
 
     def __init__(
@@ -86,6 +88,9 @@ class GrowableLayer(DynamicLayer):
         """``keys``/``values``: ``[batch, heads, capacity, head_dim]`` buffers this layer
         may write into, whose first ``num_tokens`` tokens are the cache."""
         super().__init__()
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.is_initialized = False
         self._views: tuple = (None, None)
         if keys is not None:
             if values is None or values.shape != keys.shape or not 0 <= num_tokens <= keys.shape[_TOKENS_DIM]:
@@ -99,6 +104,14 @@ class GrowableLayer(DynamicLayer):
         self._views = (self.keys, self.values)
         self.dtype, self.device = kbuf.dtype, kbuf.device
         self.is_initialized = True
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the cache (of every row: the batch is left-padded)."""
+        return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[_TOKENS_DIM]
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
 
     @property
     def capacity(self) -> int:
@@ -137,25 +150,60 @@ class GrowableLayer(DynamicLayer):
         return self.keys, self.values
 
     def reset(self) -> None:
-        super().reset()
+        if hasattr(super(), "reset"):
+            super().reset()
+        else:
+            self.keys = self.values = None
+            self.is_initialized = False
         self._views = (None, None)
 
 
-def growable_cache(num_layers: int, span: Optional[torch.Tensor] = None) -> DynamicCache:
-    """A ``DynamicCache`` of :class:`GrowableLayer`; with ``span``
+class LayerCache:
+    """The native model's cache: its layers, nothing else (``llama.py``)."""
+
+    def __init__(self, layers: list[GrowableLayer]):
+        self.layers = layers
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].num_tokens if self.layers else 0
+
+
+_hf_layer_class = None
+
+
+def _hf_growable_layer() -> type:
+    """:class:`GrowableLayer` over transformers' ``DynamicLayer`` (made on first use, so
+    that a native model's process never imports transformers)."""
+    global _hf_layer_class
+    if _hf_layer_class is None:
+        from transformers.cache_utils import DynamicLayer
+
+        _hf_layer_class = type("HFGrowableLayer", (GrowableLayer, DynamicLayer), {})
+    return _hf_layer_class
+
+
+def growable_cache(num_layers: int, span: Optional[torch.Tensor] = None, *, hf: bool = False):
+    """A cache of :class:`GrowableLayer` (a transformers ``DynamicCache`` with ``hf``, for
+    transformers' models; else a :class:`LayerCache`); with ``span``
     (``[layers, 2, heads, P, head_dim]``, batch of one), pre-filled with its P tokens,
     writing behind them into the room of the buffer ``span`` leads, if it is one made by
     :func:`empty_with_room` (else the first update copies it into a new buffer)."""
-    cache = DynamicCache()
+    layer_class = _hf_growable_layer() if hf else GrowableLayer
     if span is None:
-        cache.layers = [GrowableLayer() for _ in range(num_layers)]
-        return cache
-    if span.shape[0] != num_layers:
-        raise ValueError(f"a span of {span.shape[0]} layers for a model of {num_layers}")
-    buf, num_tokens = room_buffer(span), span.shape[_SPAN_TOKENS_DIM]
-    cache.layers = [
-        GrowableLayer(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0), num_tokens) for i in range(num_layers)
-    ]
+        layers = [layer_class() for _ in range(num_layers)]
+    else:
+        if span.shape[0] != num_layers:
+            raise ValueError(f"a span of {span.shape[0]} layers for a model of {num_layers}")
+        buf, num_tokens = room_buffer(span), span.shape[_SPAN_TOKENS_DIM]
+        layers = [
+            layer_class(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0), num_tokens) for i in range(num_layers)
+        ]
+    if not hf:
+        return LayerCache(layers)
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layers = layers
     return cache
 
 

@@ -1,4 +1,5 @@
-"""The torch engine: Hugging Face transformers with continuous (iteration-level) batching.
+"""The torch engine: Hugging Face checkpoints with continuous (iteration-level) batching
+(Llama on the engine's own model, llama.py; other architectures through transformers).
 
 One background thread runs the engine loop, because a forward pass blocks; the asyncio
 side only enqueues commands and reads per-request result queues. Each step:
@@ -7,7 +8,7 @@ side only enqueues commands and reads per-request result queues. Each step:
     the sequences that were already running (one batched forward) → merge the new
     sequences' KV into the running batch → emit deltas; finished/aborted rows leave.
 
-KV layout: one HF ``DynamicCache`` for the whole running batch, ``[batch, heads, T, dim]``
+KV layout: one cache (``kv_buffer.growable_cache``) for the whole running batch, ``[batch, heads, T, dim]``
 per layer, left-padded, with a ``[batch, T]`` attention mask marking real positions. Its
 layers append in place (``kv_buffer.GrowableLayer``: room behind the cached tokens, grown
 by a quarter when full) instead of concatenating the whole cache at every step.
@@ -35,11 +36,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import torch
 
 from app.host_memory import minor_faults
+from deployments.compute.engines import llama
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
 from deployments.compute.engines.kv import (
     TIER_L1,
@@ -80,6 +83,7 @@ from deployments.compute.engines.scheduler import Scheduler, Sequence
 logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_IMPLS = ("auto", "native", "transformers")
 # Decode fetched blocks in a worker thread above this size, not on the event loop.
 _DECODE_INLINE_MAX_BYTES = 256 * 1024
 
@@ -165,7 +169,7 @@ class _Batch:
     """The running batch's KV cache; row i belongs to ``reqs[i]``."""
 
     reqs: list[_Request] = field(default_factory=list)
-    cache: Optional[object] = None  # transformers.DynamicCache
+    cache: Optional[object] = None  # kv_buffer.growable_cache()
     mask: Optional[torch.Tensor] = None  # [batch, T], 1 = real token
 
 
@@ -188,9 +192,10 @@ class TorchEngine(Engine):
         block_size: int = 16,
         prefix_cache_bytes: int = 0,
         always_fetch: bool = False,
+        model_impl: str = "auto",
     ):
-        from transformers import AutoConfig, AutoTokenizer
-
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if block_size < 1:
@@ -207,9 +212,24 @@ class TorchEngine(Engine):
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.num_threads = num_threads
-        self.config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # The model runs natively (llama.py: no transformers import, a replica starts in
+        # half the time) where it can, else through transformers.
+        raw_config = llama.read_json(Path(self.model_path) / "config.json")
+        why = llama.unsupported(raw_config)
+        if model_impl == "native" and why is not None:
+            raise ValueError(f"model_impl native cannot run {self.model_path}: {why}")
+        self.model_impl = "transformers" if model_impl == "transformers" or why is not None else "native"
+        if self.model_impl == "native":
+            self.config = llama.LlamaConfig.from_dict(raw_config)
+        else:
+            from transformers import AutoConfig
+
+            self.config = AutoConfig.from_pretrained(self.model_path)
+            if model_impl == "auto":
+                logger.info("torch engine: %s runs through transformers (%s)", self.model_path, why)
+        self.tokenizer = self._new_tokenizer()
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        self._hf_cache = self.model_impl == "transformers"
         self.model = None
         self._loop_tokenizer = None
 
@@ -271,17 +291,28 @@ class TorchEngine(Engine):
         self._thread.start()
         await asyncio.wrap_future(warmed)  # raises what failed the first forward pass
 
-    def _load(self) -> None:
-        from transformers import AutoModelForCausalLM
-
+    def _new_tokenizer(self):
+        if self.model_impl == "native" and llama.FastTokenizer.supports(self.model_path) is None:
+            return llama.FastTokenizer(self.model_path)
         from transformers import AutoTokenizer
 
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    def _load(self) -> None:
         # The loop thread decodes with its own copy: a Rust tokenizer used from two threads
         # at once can fail with "Already borrowed" while the caller encodes.
-        self._loop_tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self._loop_tokenizer = self._new_tokenizer()
+        if self.model_impl == "native":
+            model = llama.LlamaForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            eos = llama.read_json(Path(self.model_path) / "generation_config.json").get(
+                "eos_token_id", self.config.eos_token_id
+            )
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            eos = model.generation_config.eos_token_id
         self.model = model.to(self.device).eval()
-        eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
@@ -664,7 +695,7 @@ class TorchEngine(Engine):
         its least-squares fit 0 s per token (see ``forget_measurements``)."""
         n = WARM_UP_TOKENS
         ids = (torch.arange(n, device=self.device) % self.config.vocab_size).unsqueeze(0)
-        cache = growable_cache(self._kv_block_shape[0])
+        cache = growable_cache(self._kv_block_shape[0], hf=self._hf_cache)
         logits = self.model(
             input_ids=ids,
             attention_mask=torch.ones((1, n), dtype=torch.long, device=self.device),
@@ -760,7 +791,7 @@ class TorchEngine(Engine):
             input_ids[i, width - lengths[i] :] = torch.tensor(r.seq.prompt_token_ids)
             mask[i, width - lengths[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = growable_cache(self._kv_block_shape[0])
+        cache = growable_cache(self._kv_block_shape[0], hf=self._hf_cache)
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.to(self.device),
@@ -783,7 +814,7 @@ class TorchEngine(Engine):
         # The layers hold views of the span and append the suffix into the room of the
         # buffer it leads (_fetch_prefix made it with room); without room, the first
         # update copies it into a new buffer once (kv_buffer.py).
-        cache = growable_cache(self._kv_block_shape[0], span.to(self.device))
+        cache = growable_cache(self._kv_block_shape[0], span.to(self.device), hf=self._hf_cache)
         del span
         input_ids = torch.tensor([prompt[num_prefix:]], dtype=torch.long, device=self.device)
         mask = torch.ones((1, num_prompt), dtype=torch.long, device=self.device)

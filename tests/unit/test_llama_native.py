@@ -159,8 +159,22 @@ def test_what_it_does_not_run_goes_to_transformers(tmp_path, change, reason):
     assert TorchEngine(str(path), model_impl="transformers").model_impl == "transformers"
 
 
-def test_weights_that_do_not_fit_the_config_are_an_error(tmp_path):
+def test_weights_not_in_safetensors_go_to_transformers(tmp_path):
     path = _checkpoint(tmp_path, "m", num_attention_heads=4, num_key_value_heads=4)
+    assert llama.checkpoint_unsupported(path) is None
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    assert llama.checkpoint_unsupported(path) == "no safetensors weights"
+
+
+def test_weights_that_do_not_fit_the_config_are_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _checkpoint(tmp_path, "m", num_attention_heads=4, num_key_value_heads=4)
+    # Old checkpoints' stored RoPE frequencies are no misfit.
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    llama.LlamaForCausalLM.from_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match="missing"):

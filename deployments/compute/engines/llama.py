@@ -74,6 +74,18 @@ def unsupported(cfg: dict) -> Optional[str]:
     return None
 
 
+def checkpoint_unsupported(path: str | Path) -> Optional[str]:
+    """Why this module cannot run the checkpoint at ``path`` (None: it can): its config,
+    or weights that are not in safetensors."""
+    path = Path(path)
+    why = unsupported(read_json(path / "config.json"))
+    if why is None and not (
+        (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+    ):
+        why = "no safetensors weights"
+    return why
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The fields of a Llama ``config.json`` the model and the engine read (the engine reads
@@ -306,6 +318,9 @@ class LlamaForCausalLM(nn.Module):
             if "lm_head.weight" not in state and not config.tie_word_embeddings:
                 raise ValueError(f"{path}: no lm_head.weight and tie_word_embeddings is false")
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        # Checkpoints from before transformers 4.31 stored RoPE's frequencies; they are
+        # computed from the config here, as there.
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
         model = cls(config)
         expected = set(model.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected

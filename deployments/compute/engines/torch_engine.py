@@ -214,13 +214,12 @@ class TorchEngine(Engine):
         self.num_threads = num_threads
         # The model runs natively (llama.py: no transformers import, a replica starts in
         # half the time) where it can, else through transformers.
-        raw_config = llama.read_json(Path(self.model_path) / "config.json")
-        why = llama.unsupported(raw_config)
+        why = llama.checkpoint_unsupported(self.model_path)
         if model_impl == "native" and why is not None:
             raise ValueError(f"model_impl native cannot run {self.model_path}: {why}")
         self.model_impl = "transformers" if model_impl == "transformers" or why is not None else "native"
         if self.model_impl == "native":
-            self.config = llama.LlamaConfig.from_dict(raw_config)
+            self.config = llama.LlamaConfig.from_dict(llama.read_json(Path(self.model_path) / "config.json"))
         else:
             from transformers import AutoConfig
 

@@ -137,8 +137,8 @@ class EngineConfig(_Strict):
         default="auto",
         description="torch engine: how the model runs. `native`: the engine's own Llama "
         "(deployments/compute/engines/llama.py; same tokens as transformers', and a replica "
-        "starts without importing transformers: 2.4 s of imports against 7.5-10.7 on the "
-        "2-core machines here). `transformers`: Hugging Face's model class. `auto`: native "
+        "starts without importing transformers: 2.7-3.1 s from the first import to a started "
+        "engine against 7.4-8.8 on the 2-core machines here, loadtests/torch_model_impl.py). `transformers`: Hugging Face's model class. `auto`: native "
         "where the checkpoint is a Llama it implements, else transformers.",
     )
     stream_interval_ms: float = Field(

@@ -73,8 +73,9 @@ def app_args(
     log_level: str = "INFO",
     with_worker: bool = False,
     direct_l3_reads: bool = True,
+    model_impl: str = "auto",
 ) -> dict:
-    engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8}
+    engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8, "model_impl": model_impl}
     if not l1:
         engine["prefix_cache_bytes"] = 0
     return {
@@ -195,6 +196,10 @@ def main(argv=None) -> int:
         "--with-worker", action="store_true",
         help="ingress.with_worker: the ingress and its worker in one process (app/server.py)",
     )
+    p.add_argument(
+        "--model-impl", default="auto", choices=["auto", "native", "transformers"],
+        help="engine.model_impl of the torch worker (the engine's own Llama or transformers')",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
                 serve.run(
                     build_app(app_args(
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
-                        args.prefault_heap_bytes, args.log_level, args.with_worker, direct,
+                        args.prefault_heap_bytes, args.log_level, args.with_worker, direct, args.model_impl,
                     )),
                     name="bench",
                     route_prefix="/",

@@ -213,3 +213,32 @@ def test_an_engine_on_the_tiny_model_never_imports_transformers(tiny_model_path)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "native []"
+
+
+async def test_auto_runs_what_the_native_model_cannot_load_through_transformers(tmp_path):
+    """A Llama whose weights the native model refuses (here: a tensor it does not know;
+    transformers ignores it, or converts legacy names) still runs under ``auto``, through
+    transformers, with its cache layers; ``native`` refuses it at start."""
+    from safetensors.torch import load_file, save_file
+
+    from deployments.compute.engines.torch_engine import TorchEngine
+
+    path = _checkpoint(tmp_path, "m", num_attention_heads=4, num_key_value_heads=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((ROOT / "models" / "tiny" / name).read_bytes())
+    state = load_file(str(path / "model.safetensors"))
+    state["model.extra.weight"] = torch.ones(2)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected"):
+        llama.LlamaForCausalLM.from_pretrained(path)
+
+    engine = TorchEngine(str(path), num_threads=1)
+    assert engine.model_impl == "native"  # as far as the config tells
+    await engine.start()  # runs a prefill and a decode step on the loop thread
+    try:
+        assert engine.model_impl == "transformers"
+        assert type(engine.model).__module__.startswith("transformers.")
+    finally:
+        await engine.shutdown()
+    with pytest.raises(ValueError, match="unexpected"):
+        await TorchEngine(str(path), num_threads=1, model_impl="native").start()

@@ -228,6 +228,7 @@ class TorchEngine(Engine):
                 logger.info("torch engine: %s runs through transformers (%s)", self.model_path, why)
         self.tokenizer = self._new_tokenizer()
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
+        self._requested_impl = model_impl
         self._hf_cache = self.model_impl == "transformers"
         self.model = None
         self._loop_tokenizer = None
@@ -301,12 +302,22 @@ class TorchEngine(Engine):
         # The loop thread decodes with its own copy: a Rust tokenizer used from two threads
         # at once can fail with "Already borrowed" while the caller encodes.
         self._loop_tokenizer = self._new_tokenizer()
+        model = None
         if self.model_impl == "native":
-            model = llama.LlamaForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            try:
+                model = llama.LlamaForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            except ValueError as e:
+                if self._requested_impl != "auto":
+                    raise
+                # Weights under names transformers converts (its conversion mappings), say:
+                # the checkpoint ran before, it still runs.
+                logger.warning("torch engine: %s runs through transformers: the native model cannot load it (%s)",
+                               self.model_path, e)
+                self.model_impl, self._hf_cache = "transformers", True
             eos = llama.read_json(Path(self.model_path) / "generation_config.json").get(
                 "eos_token_id", self.config.eos_token_id
             )
-        else:
+        if model is None:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)

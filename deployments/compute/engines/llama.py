@@ -10,8 +10,8 @@ module imports torch, ``safetensors`` and ``tokenizers`` only.
 It computes what transformers' ``LlamaForCausalLM`` computes, op for op (RMSNorm in
 float32, RoPE from float32 frequencies, SDPA with the same boolean mask, or none where
 transformers passes none), so the engine's tokens are the same as with transformers'
-model; ``tests/unit/test_llama_native.py`` compares logits and greedy tokens, padded
-batches and cached decodes included. Architectures or options it does not implement
+model; ``tests/unit/test_llama_native.py`` compares logits (padded batches and cached
+decodes included), the engine's tests its greedy tokens with transformers' ``generate``. Architectures or options it does not implement
 (:func:`unsupported`) run through transformers as before (``engine.torch_model_impl``).
 
 The call is the subset of transformers' that the engine uses: ``model(input_ids=,

@@ -444,6 +444,7 @@ class ComputeWorker:
                 await asyncio.wait_for(self._kv_connector.drain(), drain_timeout)
             except asyncio.TimeoutError:
                 logger.warning("ComputeWorker drain: KV saves still pending after %.0fs", drain_timeout)
+            await self._kv_connector.close()
         elapsed = time.monotonic() - started
         kv = self.kv_stats()
         if hasattr(self, "_m_drains"):

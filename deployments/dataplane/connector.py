@@ -323,6 +323,15 @@ class DataPlaneKVConnector(KVConnector):
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
+    async def close(self) -> None:
+        """Close the Redis connections of direct L3 reads (after :meth:`drain`)."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                await reader.close()
+            except Exception as e:  # noqa: BLE001 - the process is stopping
+                logger.info("closing the direct L3 reader failed: %r", e)
+
     def record_fetch(self, tier: str, num_bytes: int, seconds: float) -> None:
         if tier in self._bandwidth:
             self._bandwidth[tier].update(num_bytes, seconds)

@@ -59,6 +59,15 @@ class _Handle:
         self.put_blocks_packed = _SlowPut(delay_s)
 
 
+class _Reader:
+    """A direct L3 reader (``redis_store.BlockReader``) that records being closed."""
+
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
 def _config() -> dict:
     return {"engine": {"warmup": False}, "telemetry": {"log_level": "INFO"}}
 
@@ -78,7 +87,8 @@ def test_shutdown_waits_for_pending_kv_saves_and_logs_the_drain():
         worker = ComputeWorker.__new__(ComputeWorker)
         await ComputeWorker.__init__(worker, _config(), engine_factory=lambda *a, **k: engine)
         handle = _Handle(delay_s=0.3)
-        worker._kv_connector = DataPlaneKVConnector(handle, block_size=16)
+        reader = _Reader()
+        worker._kv_connector = DataPlaneKVConnector(handle, block_size=16, l3_reader=reader)
         # Two exports handed to the connector just before Serve stops the replica.
         worker._kv_connector.save("default", ["h1", "h2"], [b"a" * 16, b"b" * 16])
         worker._kv_connector.save("default", ["h3"], [b"c" * 16])
@@ -91,10 +101,12 @@ def test_shutdown_waits_for_pending_kv_saves_and_logs_the_drain():
         finally:
             serve_logger.removeHandler(records)
             serve_logger.setLevel(level)
-        return engine, handle, records.messages
+        return engine, handle, records.messages, reader
 
-    engine, handle, messages = asyncio.run(main())
+    engine, handle, messages, reader = asyncio.run(main())
     assert engine.shut_down
+    # Its direct L3 reader's Redis connections are closed, after the saves.
+    assert reader.closed
     # Both saves reached the data plane before shutdown returned.
     assert sorted(handle.put_blocks_packed.done) == [["h1", "h2"], ["h3"]]
     drained = [m for m in messages if m.startswith("ComputeWorker drained")]

@@ -164,9 +164,6 @@ class LayerCache:
     def __init__(self, layers: list[GrowableLayer]):
         self.layers = layers
 
-    def get_seq_length(self) -> int:
-        return self.layers[0].num_tokens if self.layers else 0
-
 
 _hf_layer_class = None
 

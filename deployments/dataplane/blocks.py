@@ -27,6 +27,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Optional
 
 import xxhash
 
@@ -112,6 +113,32 @@ def check_block(data: bytes | memoryview) -> int:
     """Raise CorruptBlockError unless ``data`` is a valid block; its payload length."""
     _, payload = decode_block(data)
     return len(payload)
+
+
+class BlockChecks:
+    """Each block checked as it arrives: pass as ``on_value`` to a read
+    (``RawBlockClient.mget_packed``, ``RedisStore.get_blocks_packed``), which calls it
+    with each present value's index and bytes while they are still in the CPU's cache;
+    then :meth:`error` says what was wrong with block ``i``, if anything."""
+
+    __slots__ = ("_errors",)
+
+    def __init__(self) -> None:
+        self._errors: dict[int, Optional[CorruptBlockError]] = {}
+
+    def __call__(self, i: int, data) -> None:
+        try:
+            check_block(data)
+            self._errors[i] = None
+        except CorruptBlockError as e:
+            self._errors[i] = e
+
+    def error(self, i: int, data) -> Optional[CorruptBlockError]:
+        """Block ``i``'s CorruptBlockError, or None if it is valid (checked now if it
+        was not checked on arrival)."""
+        if i not in self._errors:
+            self(i, data)
+        return self._errors[i]
 
 
 def pack_blocks(blocks: list[bytes | memoryview]):

@@ -36,7 +36,7 @@ from deployments.compute.engines.kv import (
     PrefixHit,
     Rate,
 )
-from deployments.dataplane.blocks import CorruptBlockError, block_arrays, check_block
+from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, block_arrays
 from deployments.dataplane.redis_store import RedisUnavailable
 from deployments.dataplane.types import InRedis
 
@@ -235,8 +235,9 @@ class DataPlaneKVConnector(KVConnector):
     async def _read_checked(self, tenant: str, hashes: list[str]) -> Optional[list]:
         debug = logger.isEnabledFor(logging.DEBUG)
         started, faults = time.perf_counter(), minor_faults() if debug else 0
+        checks = BlockChecks()  # each block checked as it arrives (resp.py)
         try:
-            _, views = await self._reader.get_blocks_packed(tenant, hashes)
+            _, views = await self._reader.get_blocks_packed(tenant, hashes, on_value=checks)
         except RedisUnavailable as e:
             self._direct_paused_until = time.monotonic() + DIRECT_L3_RETRY_S
             logger.warning(
@@ -244,21 +245,17 @@ class DataPlaneKVConnector(KVConnector):
             )
             return None
         t_read, faults_read = time.perf_counter(), minor_faults() if debug else 0
-        for h, view in zip(hashes, views):
-            try:
-                if view is None:
-                    raise CorruptBlockError("payload missing")
-                check_block(view)
-            except CorruptBlockError as e:
-                logger.info("direct L3 read: block %s of %s unusable (%s); asking the data plane", h, tenant, e)
+        for i, (h, view) in enumerate(zip(hashes, views)):
+            error = CorruptBlockError("payload missing") if view is None else checks.error(i, view)
+            if error is not None:
+                logger.info("direct L3 read: block %s of %s unusable (%s); asking the data plane", h, tenant, error)
                 return None
         if debug:
-            # As the data plane's "kv blocks read from L3" line: the MGET (with the page
-            # faults this thread took in it) and the blocks' checks.
+            # As the data plane's "kv blocks read from L3" line: the MGET with the
+            # blocks' checks (each as it arrived), and the page faults this thread took.
             logger.debug(
-                "direct L3 read: blocks=%d bytes=%d redis_ms=%.1f redis_faults=%d check_ms=%.1f",
+                "direct L3 read: blocks=%d bytes=%d redis_ms=%.1f redis_faults=%d",
                 len(views), sum(len(v) for v in views), 1000 * (t_read - started), faults_read - faults,
-                1000 * (time.perf_counter() - t_read),
             )
         return views
 

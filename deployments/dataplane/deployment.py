@@ -47,7 +47,7 @@ from app.host_memory import minor_faults
 from app.object_store import Prefault
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
-from deployments.dataplane.blocks import CorruptBlockError, check_block, pack_blocks, unpack_blocks
+from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.tiers import Evicted, MemoryTier
 from deployments.dataplane.types import InRedis, SessionRecord, new_session_id
@@ -675,9 +675,15 @@ class DataPlane:
         except RedisUnavailable:
             pass
 
-    def _verify(self, data, tier: str) -> bool:
+    def _verify(self, data, tier: str, checks: Optional[BlockChecks] = None, index: int = 0) -> bool:
+        """Whether ``data`` is a valid block (else counted and logged). ``checks``: the
+        checks made as a read from Redis arrived, ``index`` this block's in that read."""
         try:
-            check_block(data)
+            error = checks.error(index, data) if checks is not None else None
+            if checks is None:
+                check_block(data)
+            elif error is not None:
+                raise error
             return True
         except CorruptBlockError as e:
             self._counts["corrupt_blocks"] += 1
@@ -721,19 +727,20 @@ class DataPlane:
             debug = logger.isEnabledFor(logging.DEBUG)
             if debug:
                 t_read, faults_read = time.perf_counter(), minor_faults()
+            checks = BlockChecks()  # each block checked as it arrives (resp.py)
             try:
                 _, fetched = await self._redis(
-                    KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing]
+                    KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing], on_value=checks
                 )
             except RedisUnavailable:
                 fetched = [None] * len(missing)
             if debug:
                 t_check, faults_check = time.perf_counter(), minor_faults()
-            for i, data in zip(missing, fetched):
+            for k, (i, data) in enumerate(zip(missing, fetched)):
                 if data is None:
                     self._counts["get_misses"] += 1
                     self._m.inc("misses")
-                if data is None or not self._verify(data, TIER_L3):
+                if data is None or not self._verify(data, TIER_L3, checks, k):
                     # Gone (a lookup found its index entry, but a cache Redis evicts a
                     # payload on its own: every later lookup would offer it again) or
                     # corrupt: a miss either way, and dropped from Redis.
@@ -908,18 +915,22 @@ class DataPlane:
         l2_keys = [keys.block_key(tenant, h) for h in hashes]
         missing = [i for i, k in enumerate(l2_keys) if k not in self._l2]
         if missing:
+            checks = BlockChecks()
             try:
-                # One MGET read straight into one array (resp.py), then copied once into
-                # this replica's object (redis-py's MGET moved each value through three
-                # to four copies of its own: 0.28 against 0.77 GB/s in one run here).
-                _, fetched = await self._redis(KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing])
+                # One MGET read straight into one array (resp.py), each block checked as
+                # it arrives, then copied once into this replica's object (redis-py's
+                # MGET moved each value through three to four copies of its own: 0.28
+                # against 0.77 GB/s in one run here).
+                _, fetched = await self._redis(
+                    KV, self._store.get_blocks_packed, tenant, [hashes[i] for i in missing], on_value=checks
+                )
             except RedisUnavailable:
                 fetched = []
             good: list[tuple[int, memoryview]] = []
-            for i, data in zip(missing, fetched):
+            for k, (i, data) in enumerate(zip(missing, fetched)):
                 if data is None:
                     continue
-                if not self._verify(data, TIER_L3):
+                if not self._verify(data, TIER_L3, checks, k):
                     await self._drop_from_l3(tenant, hashes[i])
                     continue
                 good.append((i, data))

@@ -196,7 +196,9 @@ def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
     )
 
 
-async def _mget_blocks(raw: Optional[RawBlockClient], client: aioredis.Redis, tenant: str, hashes: Sequence[str]):
+async def _mget_blocks(
+    raw: Optional[RawBlockClient], client: aioredis.Redis, tenant: str, hashes: Sequence[str], on_value=None
+):
     """``RedisStore.get_blocks_packed`` over ``raw`` (None: redis-py's ``client``)."""
     import numpy as np
 
@@ -204,7 +206,7 @@ async def _mget_blocks(raw: Optional[RawBlockClient], client: aioredis.Redis, te
         return np.empty(0, np.uint8), []
     names = [keys.block_key(tenant, h) for h in hashes]
     if raw is not None:
-        data, lengths = await raw.mget_packed(names)
+        data, lengths = await raw.mget_packed(names, on_value=on_value)
     else:
         values = await client.mget(names)
         present = [v for v in values if v is not None]
@@ -212,11 +214,13 @@ async def _mget_blocks(raw: Optional[RawBlockClient], client: aioredis.Redis, te
         lengths = [None if v is None else len(v) for v in values]
     view = memoryview(data).toreadonly()
     out, offset = [], 0
-    for n in lengths:
+    for i, n in enumerate(lengths):
         if n is None:
             out.append(None)
             continue
         out.append(view[offset : offset + n])
+        if raw is None and on_value is not None:
+            on_value(i, out[-1])
         offset += n
     return data, out
 
@@ -240,9 +244,9 @@ class BlockReader:
         return [self._kv]
 
     @_unavailable
-    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str]):
+    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str], *, on_value=None):
         """As :meth:`RedisStore.get_blocks_packed`."""
-        return await _mget_blocks(self._raw, self._kv, tenant, hashes)
+        return await _mget_blocks(self._raw, self._kv, tenant, hashes, on_value)
 
     async def close(self) -> None:
         if self._raw is not None:
@@ -377,11 +381,14 @@ class RedisStore:
         return await self._kv.mget([keys.block_key(tenant, h) for h in hashes])
 
     @_unavailable
-    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str]):
+    async def get_blocks_packed(self, tenant: str, hashes: Sequence[str], *, on_value=None):
         """One MGET: ``(uint8 array of the present payloads back to back, read-only
         memoryview of each payload or None where absent)``. With the raw client the
-        payloads are read from the socket straight into the array."""
-        return await _mget_blocks(self._raw, self._kv, tenant, hashes)
+        payloads are read from the socket straight into the array. ``on_value(i,
+        payload)`` is called for each present one as it arrives (``blocks.BlockChecks``:
+        the check of each block while it is in the CPU's cache); an exception from it
+        is raised after the whole reply was read."""
+        return await _mget_blocks(self._raw, self._kv, tenant, hashes, on_value)
 
     @_unavailable
     async def block_sizes(self, tenant: str, hashes: Sequence[str]) -> list[Optional[int]]:

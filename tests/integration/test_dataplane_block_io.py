@@ -115,6 +115,83 @@ async def test_a_large_mget_goes_in_pieces_on_one_connection_and_reads_the_same(
         await client.aclose()
 
 
+async def test_pieces_go_ahead_of_the_reply_and_each_value_is_handed_over_as_it_arrives(redis_server, monkeypatch):
+    from deployments.dataplane import resp
+
+    client, raw = raw_client(redis_server.url)
+    sends_before_first_reply: list[int] = []
+    sent = 0
+    real_send, real_readline = resp._Conn.send, resp._Conn.readline
+
+    async def counting_send(self, buffers):
+        nonlocal sent
+        sent += 1
+        return await real_send(self, buffers)
+
+    async def noting_readline(self):
+        if not sends_before_first_reply:
+            sends_before_first_reply.append(sent)
+        return await real_readline(self)
+
+    monkeypatch.setattr(resp._Conn, "send", counting_send)
+    try:
+        values = {f"io:v{i}": os.urandom(50_000 + 101 * i) for i in range(8)}
+        await client.mset(values)
+        names = list(values)
+        names[2:2] = ["io:none"]
+        await raw.mget_packed(names)  # the connection, and the client's value size
+        monkeypatch.setattr(resp._Conn, "readline", noting_readline)
+        monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 120_000)  # ~2 values a piece
+        seen: list[tuple[int, bytes]] = []
+        sent = 0
+        data, lengths = await raw.mget_packed(names, on_value=lambda i, view: seen.append((i, bytes(view))))
+        # Two pieces were asked for before the first reply was read (resp.MGET_AHEAD).
+        assert sends_before_first_reply == [2] and sent >= 4, (sends_before_first_reply, sent)
+        # Each present value, with its index among the keys, in order; the nil skipped.
+        assert seen == [(i, values[n]) for i, n in enumerate(names) if n != "io:none"]
+        assert bytes(data) == b"".join(values[n] for n in names if n != "io:none")
+        assert lengths[2] is None
+
+        # A callback that fails: the whole reply is still read, the first error is
+        # raised, and the connection goes back to the pool in step.
+        calls: list[int] = []
+
+        def failing(i, view):
+            calls.append(i)
+            raise ValueError(f"bad value {i}")
+
+        with pytest.raises(ValueError, match="bad value 0"):
+            await raw.mget_packed(names, on_value=failing)
+        assert calls == [0]  # not called again once one failed
+        assert len(raw._idle) == 1
+        again, _ = await raw.mget_packed(names)
+        assert bytes(again) == bytes(data)
+    finally:
+        raw.close()
+        await client.aclose()
+
+
+async def test_an_error_reply_with_a_piece_still_due_leaves_the_connection_in_step(monkeypatch):
+    from deployments.dataplane import resp
+
+    # MGET renamed away: every piece is answered with an error reply.
+    with LocalRedis(extra_args=("--rename-command", "MGET", "")) as server:
+        client, raw = raw_client(server.url)
+        try:
+            await raw.pipeline([("SET", f"io:e{i}", os.urandom(50_000)) for i in range(6)])
+            monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 120_000)
+            raw._value_hint = 50_000
+            with pytest.raises(rexc.ResponseError, match="unknown command"):
+                await raw.mget_packed([f"io:e{i}" for i in range(6)])
+            assert len(raw._idle) == 1
+            # The second piece's error reply was read: the next reply is this command's.
+            assert await raw.pipeline([("GET", "io:missing"), ("SET", "io:after", "ok")]) == [None, b"OK"]
+            assert await client.get("io:after") == b"ok"
+        finally:
+            raw.close()
+            await client.aclose()
+
+
 async def test_pipeline_sends_views_and_returns_error_replies_in_place(redis_server):
     client, raw = raw_client(redis_server.url)
     try:

@@ -679,10 +679,9 @@ class DataPlane:
         """Whether ``data`` is a valid block (else counted and logged). ``checks``: the
         checks made as a read from Redis arrived, ``index`` this block's in that read."""
         try:
-            error = checks.error(index, data) if checks is not None else None
             if checks is None:
                 check_block(data)
-            elif error is not None:
+            elif (error := checks.error(index, data)) is not None:
                 raise error
             return True
         except CorruptBlockError as e:

@@ -709,6 +709,23 @@ def store_results(path: str | os.PathLike, run: dict) -> None:
     os.replace(tmp, p)
 
 
+def restart_with_memory_env(module: str, argv=None, say=None) -> None:
+    """Run this benchmark again (``python -m module`` with the same arguments) with a
+    replica's glibc settings (``app.builder.MEMORY_ENV``), unless it has them already:
+    glibc reads them when the process starts. Returns only when they are in place; a
+    benchmark doing a worker's or a data-plane replica's part then reuses freed read
+    buffers as they do instead of faulting in fresh pages."""
+    from app.builder import MEMORY_ENV
+
+    if all(os.environ.get(k) == v for k, v in MEMORY_ENV.items()):
+        return
+    if say is not None:
+        say("starting again with a worker's malloc settings (app.builder.MEMORY_ENV)")
+    sys.stdout.flush()
+    args = sys.argv[1:] if argv is None else list(argv)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **MEMORY_ENV})
+
+
 def write_report(path: str | os.PathLike, doc: dict) -> Path:
     """Write one comparison's report as JSON (parents created), replacing the file."""
     p = Path(path)

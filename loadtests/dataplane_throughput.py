@@ -58,7 +58,7 @@ import subprocess
 import sys
 import time
 
-from loadtests.benchmark import add_kv_redis_option, start_kv_redis, write_report
+from loadtests.benchmark import add_kv_redis_option, restart_with_memory_env, start_kv_redis, write_report
 
 # The small model's KV block (app/model_builder.py "small", block_size 16, fp32):
 # layers, kv, kv heads, tokens, head dim.
@@ -358,22 +358,17 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from app.builder import MEMORY_ENV, THROUGHPUT_ENV, with_serve_runtime
+    from app.builder import THROUGHPUT_ENV, with_serve_runtime
     from app.config import AppConfig
     from app.local_redis import LocalRedis
     from app.object_store import prefault_object_store
     from deployments.dataplane.blocks import BlockHeader, encode_block
     from deployments.dataplane.deployment import dataplane_deployment
 
-    if any(os.environ.get(k) != v for k, v in MEMORY_ENV.items()):
-        # This process does a worker's part, so it runs with a worker's malloc settings
-        # (serve_runtime.keep_freed_memory, on by default): read from the environment when
-        # the process starts, so it starts again with them. Without them every 16-32 MiB
-        # read buffer here faulted in fresh pages; a worker's reuses what malloc kept.
-        _say("starting again with a worker's malloc settings (app.builder.MEMORY_ENV)")
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "loadtests.dataplane_throughput", *(sys.argv[1:] if argv is None else argv)],
-                  {**os.environ, **MEMORY_ENV})
+    # This process does a worker's part, so it runs with a worker's malloc settings
+    # (serve_runtime.keep_freed_memory, on by default). Without them every 16-32 MiB read
+    # buffer here faulted in fresh pages; a worker's reuses what malloc kept.
+    restart_with_memory_env("loadtests.dataplane_throughput", argv, say=_say)
     size = args.block_kib * 1024
     results = []
     bounds = worker = None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from app.local_redis import LocalRedis
 from deployments.dataplane import resp
 from deployments.dataplane.blocks import BlockChecks, BlockHeader, check_block, encode_block
 from deployments.dataplane.resp import RawBlockClient
-from loadtests.benchmark import write_report
+from loadtests.benchmark import restart_with_memory_env, write_report
 from loadtests.dataplane_throughput import SMALL_BLOCK_SHAPE, redis_benchmark
 
 FORMS = ("after", "inline", "ahead")
@@ -127,12 +126,7 @@ async def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from app.builder import MEMORY_ENV
-
-    if any(os.environ.get(k) != v for k, v in MEMORY_ENV.items()):
-        # glibc reads these at start: run again with them, as a replica runs.
-        argv = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "loadtests.l3_read", *argv], {**os.environ, **MEMORY_ENV})
+    restart_with_memory_env("loadtests.l3_read", argv)
     p = argparse.ArgumentParser(prog="python -m loadtests.l3_read")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--blocks", default="8,32,128", help="blocks per single read")

@@ -36,7 +36,7 @@ import numpy as np
 
 from app.local_redis import LocalRedis
 from deployments.dataplane.resp import RawBlockClient
-from loadtests.benchmark import write_report
+from loadtests.benchmark import restart_with_memory_env, write_report
 
 SETTINGS = {"keep": "dirty_decay_ms:-1,muzzy_decay_ms:-1", "default": ""}
 BULK_BLOCKS, BULK_BATCH, BULK_CONCURRENCY = 512, 64, 4
@@ -136,12 +136,7 @@ async def main_async(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from app.builder import MEMORY_ENV
-
-    if any(os.environ.get(k) != v for k, v in MEMORY_ENV.items()):
-        # glibc reads these at start: run again with them, as a replica runs.
-        argv = sys.argv[1:] if argv is None else list(argv)
-        os.execve(sys.executable, [sys.executable, "-m", "loadtests.redis_reads", *argv], {**os.environ, **MEMORY_ENV})
+    restart_with_memory_env("loadtests.redis_reads", argv)
     p = argparse.ArgumentParser(prog="python -m loadtests.redis_reads")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--gap-s", type=float, default=4.0, help="pause before each read (a turn's think time)")

@@ -84,7 +84,11 @@ def test_a_stream_has_its_deltas_finish_and_usage(other_layout_app, served_app):
 
 
 def test_a_session_keeps_its_turns(other_layout_app, served_app):
-    _, base_url, _ = other_layout_app
+    from ray import serve
+
+    name, base_url, with_worker = other_layout_app
+    worker = serve.get_deployment_handle("Server" if with_worker else "ComputeWorker", app_name=name)
+    before = worker.kv_stats.remote().result(timeout_s=60)
     sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
     client = _client(base_url)
     for question in ("Hello there", "And then?"):
@@ -98,6 +102,12 @@ def test_a_session_keeps_its_turns(other_layout_app, served_app):
         assert reply.choices[0].message.content
     record = httpx.get(f"{base_url}/v1/sessions/{sid}", timeout=30).json()
     assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
+    if served_app.engine == "torch":
+        # The second turn's prefix lookup, started by the router as the request arrived,
+        # reached this layout's engine (a reference, awaited instead of a call of its own).
+        after = worker.kv_stats.remote().result(timeout_s=60)
+        assert after["early_lookups_used"] > before["early_lookups_used"], (before, after)
+        assert after["early_lookups_failed"] == before["early_lookups_failed"], (before, after)
     assert [m["content"] for m in record["messages"][::2]] == ["Hello there", "And then?"]
 
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.serve_app import app_args, deployed_app
+from tests.fixtures.serve_app import app_args, deployed_app, worker_handle
 
 pytestmark = pytest.mark.integration
 
@@ -84,10 +84,8 @@ def test_a_stream_has_its_deltas_finish_and_usage(other_layout_app, served_app):
 
 
 def test_a_session_keeps_its_turns(other_layout_app, served_app):
-    from ray import serve
-
-    name, base_url, with_worker = other_layout_app
-    worker = serve.get_deployment_handle("Server" if with_worker else "ComputeWorker", app_name=name)
+    name, base_url, _ = other_layout_app
+    worker = worker_handle(name)
     before = worker.kv_stats.remote().result(timeout_s=60)
     sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
     client = _client(base_url)

@@ -129,6 +129,18 @@ class EngineConfig(_Strict):
         description="torch intra-op threads per worker on CPU; default: the CPUs Ray "
         "gave the replica.",
     )
+    cpu_nice: int = Field(
+        default=4,
+        ge=0,
+        le=19,
+        description="torch engine on a CPU: its loop and compute threads run this much "
+        "below the node's other work (a Linux nice increment). The HTTP front, router and "
+        "data plane answer in milliseconds and share the cores with the engine; under "
+        "overload they go first, so a 429 is not queued behind decode steps (at 50 req/s "
+        "on 2 cores: 429 p99 0.20 s against 0.40 s at 0, medians; loadtests/overload.py). "
+        "Ray starts its workers at nice 15 (RAY_worker_niceness) and nice stops at 19, so "
+        "there 4 is the most that counts. 0: off.",
+    )
     warmup: bool = Field(
         default=True,
         description="Run one generation before the replica reports ready.",

@@ -2,6 +2,9 @@
 continuous batching, seeds, cancellation, limits and failure."""
 
 import asyncio
+import os
+import sys
+import threading
 
 import pytest
 import pytest_asyncio
@@ -12,7 +15,7 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.torch_engine import TorchEngine
-from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, wait_until
+from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, thread_nices, wait_until
 
 @pytest_asyncio.fixture
 async def engine(tiny_model_path):
@@ -212,3 +215,30 @@ async def test_shutdown_ends_in_flight_requests_with_an_error(engine):
             pass
     with pytest.raises(EngineDeadError):
         await engine.check_health()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.asyncio
+async def test_cpu_nice_lowers_the_loop_and_its_compute_threads_only(tiny_model_path):
+    """cpu_nice lowers the engine loop thread before its first forward pass, so the
+    OpenMP threads it makes for its 2-thread forward passes inherit it; the caller's
+    threads keep their priority."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(thread_nices())
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=2, device="cpu", cpu_nice=3)
+    await eng.start()
+    try:
+        await collect(eng, make_request("n", encode(eng, PROMPTS[0]), max_tokens=4))
+        nice = thread_nices()
+        assert nice[eng._thread.native_id] == min(19, base + 3)
+        new_lowered = [t for t, n in nice.items() if t not in before and n == min(19, base + 3)]
+        assert len(new_lowered) >= 2, (nice, eng._thread.native_id)  # the loop and an OpenMP worker
+        assert nice[threading.get_native_id()] == base
+    finally:
+        await eng.shutdown()
+
+
+def test_cpu_nice_out_of_range_is_rejected(tiny_model_path):
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="cpu_nice"):
+            TorchEngine(str(tiny_model_path), cpu_nice=bad)

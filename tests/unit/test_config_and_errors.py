@@ -38,6 +38,7 @@ def test_serve_config_yaml_args_validate():
         ({"router": {"batch_wait_timeout_ms": -1}}, "router.batch_wait_timeout_ms", "greater than or equal to 0"),
         ({"engine": {"max_num_seqs": 5000}}, "engine.max_num_seqs", "less than or equal to 4096"),
         ({"engine": {"name": "tensorrt"}}, "engine.name", "'torch' or 'vllm'"),
+        ({"engine": {"cpu_nice": 20}}, "engine.cpu_nice", "less than or equal to 19"),
         ({"compute": {"num_replicas": 0}}, "compute.num_replicas", "greater than or equal to 1"),
     ],
 )

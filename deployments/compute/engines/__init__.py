@@ -23,6 +23,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
         block_size=config.dataplane.block_size,
         prefix_cache_bytes=config.engine.prefix_cache_bytes,
         model_impl=config.engine.model_impl,
+        cpu_nice=config.engine.cpu_nice,
     )
 
 

@@ -32,7 +32,9 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -173,6 +175,22 @@ class _Batch:
     mask: Optional[torch.Tensor] = None  # [batch, T], 1 = real token
 
 
+def lower_thread_priority(increment: int) -> Optional[int]:
+    """Raise the calling thread's nice value by ``increment`` (at most to 19); the new
+    value, or None where it could not (Linux only: there nice belongs to a thread, and a
+    thread it starts inherits it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as e:
+        logger.warning("torch engine: could not lower its threads' priority: %s", e)
+        return None
+    return nice
+
+
 class TorchEngine(Engine):
     capabilities = EngineCapabilities(
         continuous_batching=True, wants_router_batching=True, supports_kv_export=True
@@ -193,6 +211,7 @@ class TorchEngine(Engine):
         prefix_cache_bytes: int = 0,
         always_fetch: bool = False,
         model_impl: str = "auto",
+        cpu_nice: int = 0,
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -200,6 +219,8 @@ class TorchEngine(Engine):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0 <= cpu_nice <= 19:
+            raise ValueError(f"cpu_nice must be in [0, 19], got {cpu_nice}")
         connector_block_size = getattr(kv_connector, "block_size", None)
         if connector_block_size is not None and connector_block_size != block_size:
             raise ValueError(
@@ -212,6 +233,7 @@ class TorchEngine(Engine):
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.num_threads = num_threads
+        self.cpu_nice = cpu_nice
         # The model runs natively (llama.py: no transformers import, a replica starts in
         # half the time) where it can, else through transformers.
         why = llama.checkpoint_unsupported(self.model_path)
@@ -665,6 +687,17 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ loop thread
 
     def _run_loop(self, warmed: concurrent.futures.Future) -> None:
+        if self.cpu_nice and self.device.type == "cpu":
+            # Before the first forward pass: OpenMP's threads are made by the thread that
+            # first needs them, and take its priority.
+            nice = lower_thread_priority(self.cpu_nice)
+            if nice is not None:
+                logger.info(
+                    "torch engine: its threads run at nice %d (cpu_nice %d): on a CPU the HTTP "
+                    "front, router and data plane go before decode steps",
+                    nice,
+                    self.cpu_nice,
+                )
         if self.num_threads is not None:
             # Set here, not in start(): OpenMP's thread count is per calling thread.
             torch.set_num_threads(self.num_threads)

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import math
 import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
+from tests.fixtures.engines import thread_nices
+from tests.fixtures.load import Outcome, completion_body, open_loop
 from tests.fixtures.models import get_model_path
 from tests.fixtures.serve_app import app_args, deployed_app, wait_for, wait_ready
 
@@ -136,27 +136,6 @@ def _ongoing(name: str) -> int:
         return 0
 
 
-def _completion_body(max_tokens: int) -> dict:
-    # A distinct prompt each time: no prefix is shared, so placement cannot favour one
-    # replica for its cache.
-    return {
-        "model": "tiny-llama",
-        "prompt": f"load {uuid.uuid4().hex} tell me more",
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-
-
-@dataclass
-class Outcome:
-    status: int
-    latency_s: float
-    body: str = ""
-    retry_after: str | None = None
-    sent_at: float = 0.0  # time.monotonic() when the request left
-
-
 @dataclass
 class SteadyLoad:
     """``concurrency`` client threads, each sending non-streaming completions back to back
@@ -174,7 +153,7 @@ class SteadyLoad:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
-                    r = client.post("/v1/completions", json=_completion_body(self.max_tokens))
+                    r = client.post("/v1/completions", json=completion_body(self.max_tokens))
                     outcome = Outcome(r.status_code, time.monotonic() - started, r.text[:300])
                 except httpx.HTTPError as e:
                     outcome = Outcome(-1, time.monotonic() - started, repr(e))
@@ -371,38 +350,6 @@ def _replica_rss(deployments: list[str]) -> dict[int, tuple[str, int]]:
     return found
 
 
-async def _open_loop(base_url: str, rate: float, duration_s: float, max_tokens: int) -> tuple[list[Outcome], float]:
-    """Requests arriving at ``rate`` per second for ``duration_s`` whatever the answers
-    (open loop); returns the outcomes and the rate actually offered."""
-    outcomes: list[Outcome] = []
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(90, connect=10), limits=limits) as client:
-
-        async def one() -> None:
-            started = time.monotonic()
-            try:
-                r = await client.post("/v1/completions", json=_completion_body(max_tokens))
-                outcomes.append(
-                    Outcome(r.status_code, time.monotonic() - started, r.text[:200], r.headers.get("retry-after"), started)
-                )
-            except httpx.HTTPError as e:
-                outcomes.append(Outcome(-1, time.monotonic() - started, repr(e), None, started))
-
-        tasks = []
-        started = time.monotonic()
-        for i in itertools.count():
-            at = started + i / rate
-            if at >= started + duration_s:
-                break
-            delay = at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        sent_for_s = time.monotonic() - started
-        await asyncio.gather(*tasks)
-    return outcomes, len(tasks) / max(sent_for_s, 1e-9)
-
-
 def _measure_capacity(base_url: str, max_tokens: int) -> tuple[float, float]:
     """Completed requests per second with enough clients to keep every engine slot busy,
     and the median latency of one request then."""
@@ -428,6 +375,11 @@ def test_overload_at_4x_capacity_rejects_fast_and_stays_flat(lf_app):
     assert capacity > 0
     rss_before = _replica_rss(deployments)
     assert {d for d, _ in rss_before.values()} >= {"Ingress", "ComputeWorker"}, rss_before
+    for pid, (deployment, _) in rss_before.items():
+        if deployment == "ComputeWorker":
+            # engine.cpu_nice (default 4): the engine's threads below the replica's others.
+            nices = thread_nices(pid)
+            assert max(nices.values()) == min(19, nices[pid] + 4), (pid, nices)
 
     rate = OVERLOAD_FACTOR * capacity
     # This process's heap (Ray, Serve, pytest) made full collections of 0.1-0.33 s, which
@@ -435,7 +387,7 @@ def test_overload_at_4x_capacity_rejects_fast_and_stays_flat(lf_app):
     gc.collect()
     gc.freeze()
     try:
-        outcomes, offered = asyncio.run(_open_loop(base_url, rate, OVERLOAD_S, max_tokens))
+        outcomes, offered = asyncio.run(open_loop(base_url, rate, OVERLOAD_S, max_tokens))
     finally:
         gc.unfreeze()
     time.sleep(3)  # let the queue drain and the allocator settle

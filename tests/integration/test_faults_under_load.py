@@ -61,8 +61,9 @@ OVERLOAD_S = 8.0
 # the engines. At 256 tokens capacity measured 6-15 req/s from minute to minute, so 4x
 # offered 23-62 req/s, and the 429 p99 followed the offered rate, not the queue bound:
 # 0.04-0.20 s at 23-33 req/s (6 runs), 0.11-1.03 s at 37-50 (12), 0.36-1.60 s at 53-62
-# (8, CI's failure among them). At 512 tokens: capacity 4.5-7.3 req/s, offered 18-30,
-# 429 p99 56-166 ms (4 runs).
+# (8, CI's failure among them); all before engine.cpu_nice, which since runs the engines
+# below the front (loadtests/overload.py). At 512 tokens: capacity 4.5-7.3 req/s, offered
+# 18-30, 429 p99 56-166 ms (4 runs).
 OVERLOAD_MAX_TOKENS = 512
 CAPACITY_PROBE_S = 6.0
 CAPACITY_CLIENTS = 16  # = the engine slots of both replicas (2 x max_num_seqs 8)

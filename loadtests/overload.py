@@ -4,9 +4,9 @@ several priorities (``engine.cpu_nice``) alternated in one run.
     python -m loadtests.overload [--nice 4,0] [--rounds 3] [--rate 50] [--duration-s 8]
         [--max-tokens 256] [--out FILE.json]
 
-The app is the one of ``tests/integration/test_faults_under_load.py``: two ComputeWorker
-replicas of the tiny model (8 slots, one thread each), an admission queue of 16, two
-data-plane replicas; on a 2-core machine the engines, Serve's HTTP proxy, the ingress and
+The app is the one of ``tests/integration/test_faults_under_load.py``
+(``tests.fixtures.load.fault_app_args``): two ComputeWorker replicas of the tiny model (8
+slots, one thread each), an admission queue of 16, two data-plane replicas; on a 2-core machine the engines, Serve's HTTP proxy, the ingress and
 this load generator share the cores. Each variant starts its own application (one at a
 time, in one Ray), warms it, then sends completions (distinct prompts, ``ignore_eos``) at
 ``--rate`` per second for ``--duration-s`` whatever the answers (the fault tests' open
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from loadtests.benchmark import write_report
-from tests.fixtures.load import open_loop
+from loadtests.benchmark import percentile, write_report
+from tests.fixtures.load import fault_app_args, open_loop
 
 APP = "overload"
 
@@ -35,21 +35,10 @@ def _say(msg: str) -> None:
     print(f"[overload] {msg}", file=sys.stderr, flush=True)
 
 
-def app_args(model_path: Path, redis_url: str, cpu_nice: int) -> dict:
-    return {
-        "model": {"id": "tiny-llama", "path": str(model_path)},
-        "engine": {"name": "torch", "max_num_seqs": 8, "num_threads": 1, "cpu_nice": cpu_nice},
-        "compute": {"num_replicas": 2, "num_cpus": 1},
-        "router": {"max_batch_size": 8, "batch_wait_timeout_ms": 5, "max_queue_depth": 16},
-        "limits": {"request_timeout_s": 60},
-        "dataplane": {"num_replicas": 2, "redis": {"url": redis_url}},
-    }
-
-
 def summarize(outcomes: list, offered_per_s: float, elapsed_s: float) -> dict:
     """Accepted (200) and refused (429) requests of one open loop, and their p99."""
-    ok = sorted(o.latency_s for o in outcomes if o.status == 200)
-    refused = sorted(o.latency_s for o in outcomes if o.status == 429)
+    ok = [o.latency_s for o in outcomes if o.status == 200]
+    refused = [o.latency_s for o in outcomes if o.status == 429]
     return {
         "offered_per_s": offered_per_s,
         "accepted": len(ok),
@@ -62,7 +51,7 @@ def summarize(outcomes: list, offered_per_s: float, elapsed_s: float) -> dict:
 
 
 def _p99(xs: list[float]) -> float | None:
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+    return percentile(xs, 99) if xs else None
 
 
 def _fmt(x: float | None, unit: str = "s") -> str:
@@ -76,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=50.0, help="requests offered per second")
     p.add_argument("--duration-s", type=float, default=8.0)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--queue-depth", type=int, default=16, help="router.max_queue_depth (the fault test's)")
     p.add_argument("--port", type=int, default=8125)
     p.add_argument("--out", default="loadtests/results/overload.json")
     args = p.parse_args(argv)
@@ -100,7 +90,7 @@ def main(argv=None) -> int:
             for rnd in range(1, args.rounds + 1):
                 for nice in nices:
                     _say(f"round {rnd}/{args.rounds}: cpu_nice {nice}: deploying")
-                    serve.run(build_app(app_args(model_path, redis.url, nice)), name=APP, route_prefix=f"/{APP}", blocking=False)
+                    serve.run(build_app(fault_app_args(model_path, redis.url, args.queue_depth, cpu_nice=nice)), name=APP, route_prefix=f"/{APP}", blocking=False)
                     if not wait_ready(base_url, 600):
                         raise TimeoutError(f"{APP} not ready")
                     # One-off costs (first allocations, connections) out of the measurement.

@@ -35,9 +35,9 @@ import httpx
 import pytest
 
 from tests.fixtures.engines import thread_nices
-from tests.fixtures.load import Outcome, completion_body, open_loop
+from tests.fixtures.load import Outcome, completion_body, fault_app_args, open_loop
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, deployed_app, wait_for, wait_ready
+from tests.fixtures.serve_app import deployed_app, wait_for, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -75,15 +75,7 @@ RSS_GROWTH_BOUND = (1.25, 64 << 20)  # factor, plus bytes
 
 @pytest.fixture(scope="module")
 def lf_app(ray_cluster, redis_server, http_port):
-    args = app_args(
-        get_model_path("tiny"),
-        redis_server.url,
-        engine={"name": "torch", "max_num_seqs": 8, "num_threads": 1},
-        compute={"num_replicas": 2, "num_cpus": 1, "health_check_period_s": 1.0, "health_check_timeout_s": 10.0},
-        router={"max_queue_depth": MAX_QUEUE_DEPTH},
-        limits={"request_timeout_s": 60},
-        dataplane={"num_replicas": 2},
-    )
+    args = fault_app_args(get_model_path("tiny"), redis_server.url, MAX_QUEUE_DEPTH)
     with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield base_url
 

@@ -48,7 +48,7 @@ from app.sessions import (
 )
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
-from deployments.router.deployment import Router
+from deployments.router.deployment import Router, SessionLookup
 
 logger = logging.getLogger("ray.serve")
 
@@ -145,7 +145,9 @@ class _Call:
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
         self.turn: Optional[PendingTurn] = None
-        # A session turn's generated token ids, stored with the reply (see sessions.py).
+        # A session turn's prompt ids, and its generated ids (stored with the reply, see
+        # sessions.py).
+        self.prompt_ids: Optional[list[int]] = None
         self.output_ids: Optional[list[int]] = None
         self.streamed = True
 
@@ -321,6 +323,24 @@ class Ingress:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
+    def _start_session_lookup(self, session_id: Optional[str]) -> Optional[SessionLookup]:
+        """The KV lookup of the blocks of session ``session_id``'s last turn, when this
+        ingress appended it (``_commit_turn``), started as the request arrives: from the
+        ``X-Session-Id`` header before the body is read (a call back to the HTTP proxy,
+        ~2.5 ms, during which Serve's router, on this event loop, gets the call on its
+        way), else from the body's ``session_id`` once it is checked. Its assignment to a
+        data-plane replica then overlaps the body's read and the prompt's build (the
+        history's template and tokenising, ~5-8 ms for 2k tokens here) instead of
+        following them. ``_start`` hands it on if the prompt was built on the version
+        that turn left; the router, if the prompt extends that turn
+        (``Router.start_session_lookup``)."""
+        if not session_id or self._sessions is None:
+            return None
+        cached = self._sessions.cached(session_id)
+        return self._router.start_session_lookup(
+            self._sessions.tenant, session_id, version=None if cached is None else cached.version
+        )
+
     async def _chat_prompt(
         self, req: ChatCompletionRequest, request: Request, early_session: Optional[asyncio.Task] = None
     ):
@@ -402,9 +422,15 @@ class Ingress:
         if ids is not None:
             reply[TOKEN_IDS_KEY] = ids
         messages = call.turn.new_messages + [reply]
-        await self._sessions.append(
+        record = await self._sessions.append(
             call.turn, messages, call.num_prompt_tokens + call.num_output_tokens
         )
+        if ids is not None and call.prompt_ids is not None:
+            # The next turn's prompt repeats this prompt and these reply ids exactly: its
+            # KV lookup of them may start before that prompt is built (the router's).
+            self._router.remember_session_turn(
+                self._sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids
+            )
 
     def _completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
@@ -535,10 +561,12 @@ class Ingress:
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
         received = time.monotonic()
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
-            early_session = None
+            early_session = session_lookup = None
             try:
                 self._router.reject_if_full()
                 early_session = self._start_session_read(schema, request)
+                if early_session is not None:
+                    session_lookup = self._start_session_lookup(request.headers.get("x-session-id"))
                 req = self._validate(schema, await self._read_json(request))
                 turn = check = None
                 if req.n > self._config.router.max_queue_depth:
@@ -554,13 +582,15 @@ class Ingress:
                             "n must be 1 in a session turn: one reply is appended to the session.",
                             param="n",
                         )
+                    if session_lookup is None and not request.headers.get("x-session-id"):
+                        session_lookup = self._start_session_lookup(req.session_id)
                     prompt_ids, turn, check = await self._chat_prompt(req, request, early_session)
                 else:
                     prompt_ids = self._completion_prompt_ids(req)
                 started = time.monotonic()
                 try:
                     calls, streams, firsts = await self._start(
-                        endpoint, req, span, prompt_ids, turn, check, received, started
+                        endpoint, req, span, prompt_ids, turn, check, received, started, session_lookup
                     )
                 except Exception as e:
                     if check is None:
@@ -579,7 +609,7 @@ class Ingress:
                     )
                     prompt_ids, turn = self._session_prompt(req, turn.session_id, turn.new_messages, record)
                     calls, streams, firsts = await self._start(
-                        endpoint, req, span, prompt_ids, turn, None, received, started
+                        endpoint, req, span, prompt_ids, turn, None, received, started, session_lookup
                     )
                 else:
                     if turn is not None:
@@ -592,6 +622,8 @@ class Ingress:
             finally:
                 if early_session is not None:
                     early_session.cancel()  # unused (the request failed first): a read only
+                if session_lookup is not None:
+                    session_lookup.task.cancel()  # the router took it before the worker call, or never will
             if req.stream:
                 return StreamingResponse(
                     self._stream_body(req, calls, firsts, streams),
@@ -605,12 +637,21 @@ class Ingress:
         span.set_attribute("llm.session_cache", result)
 
     async def _start(
-        self, endpoint: str, req, span, prompt_ids: list[int], turn, check, received: float, started: float
+        self,
+        endpoint: str,
+        req,
+        span,
+        prompt_ids: list[int],
+        turn,
+        check,
+        received: float,
+        started: float,
+        session_lookup: Optional[SessionLookup] = None,
     ):
         """Hand the request's choices to the router and wait for each one's first delta
         (so that a rejection keeps its status code). ``check``: what the router awaits
-        before the worker call (see ``_chat_prompt``). Returns the calls, their streams and
-        their first deltas."""
+        before the worker call (see ``_chat_prompt``); ``session_lookup``: see
+        ``_start_session_lookup``. Returns the calls, their streams and their first deltas."""
         gen_request = self._generation_request(req, prompt_ids)
         # A non-streaming client sees nothing before the end, so the router may
         # run it again if its worker dies mid-way (see Router._stream_with_retry).
@@ -628,11 +669,23 @@ class Ingress:
         call.turn = turn
         if turn is not None:
             call.output_ids = []
+            call.prompt_ids = prompt_ids
+        early = None
+        if session_lookup is not None:
+            if turn is not None and turn.expected_version == session_lookup.version:
+                early = session_lookup.task
+            else:
+                # Built on a later record (turns appended elsewhere since, or a rebuild on
+                # the store's): that lookup would miss their blocks.
+                self._router.drop_session_lookup(session_lookup)
         span.set_attribute("llm.request_id", call.request_id)
         span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
-        streams = [_LocalStream(self._router.generate(g, gate=check)) for g in gen_requests]
+        streams = [
+            _LocalStream(self._router.generate(g, gate=check, session_lookup=early if i == 0 else None))
+            for i, g in enumerate(gen_requests)
+        ]
         firsts = await self._each_choice([self._next(s) for s in streams], streams)
         for c, first in zip(calls, firsts):
             c.on_delta(first)

@@ -23,13 +23,14 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Optional
 
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 
-from app import telemetry
+from app import serve_context, telemetry
 from app.config import AppConfig
 from app.errors import GatewayTimeoutError, RateLimitError, _causes, replica_death_types
 from app.telemetry import LATENCY_BUCKETS_S
@@ -40,6 +41,15 @@ from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER, classify_outcome, report_outcome
 
 logger = logging.getLogger("ray.serve")
+
+# Block hashes of sessions' last turns (``Router.start_session_lookup``), all sessions
+# together: 89 bytes each in Python (a 32-character str and its list slot), so ~23 MB at
+# most per router (a 2k-token turn has 128 blocks of 16 tokens: 2,048 sessions of that
+# length).
+SESSION_CHAINS_MAX_HASHES = 1 << 18
+# How long a KV lookup's start (its assignment to a data-plane replica) may hold a
+# request; after that the worker asks the data plane itself.
+LOOKUP_START_TIMEOUT_S = 0.2
 
 
 class Admission:
@@ -68,6 +78,16 @@ def is_retryable_death(exc: BaseException) -> bool:
     unreachable replica actor, or a deployment with no replica to take it. Errors of the
     request itself (rejection, a failed step of a live engine, timeouts) are not."""
     return any(isinstance(cause, _DEATH_TYPES) for cause in _causes(exc))
+
+
+@dataclass(eq=False, slots=True)
+class SessionLookup:
+    """:meth:`Router.start_session_lookup`'s lookup of a session turn's blocks: the
+    session's version right after that turn (a prompt built on a later version has
+    turns from elsewhere in between, which that lookup does not cover) and the task."""
+
+    version: int
+    task: asyncio.Task
 
 
 @dataclass(eq=False, slots=True)
@@ -134,6 +154,15 @@ class Router:
             "llm_router_kv_lookups_started",
             "KV prefix lookups the router started for the worker as a request arrived.",
         )
+        self._m_session_lookups = metrics.Counter(
+            "llm_router_kv_session_lookups",
+            "KV lookups of a session's last turn started as its next turn arrived, before "
+            "the prompt was built: used (the prompt extends that turn, the worker got it), "
+            "mismatch (it does not: the usual lookup went instead), stale (the session had "
+            "turns from elsewhere since: not used), failed (the call was not started in "
+            "time, or failed).",
+            tag_keys=("result",),
+        )
         self._m_retries = metrics.Counter(
             "llm_router_retries",
             "Requests sent to a worker again because the first one died before any token.",
@@ -158,6 +187,11 @@ class Router:
         )
         self._prefetch_tasks: set[asyncio.Task] = set()
         self._root_index = root_index if root_index is not None else self._make_root_index()
+        # (tenant, session id) -> (its version after its last turn here, that turn's
+        # block hashes: prompt and reply), most recently used last; and how many hashes
+        # they hold together.
+        self._session_chains: OrderedDict[tuple[str, str], tuple[int, list[str]]] = OrderedDict()
+        self._session_chain_hashes = 0
 
     def _make_root_index(self) -> Optional[RootIndex]:
         """The mirror of the data plane's chain roots (root_index.py), when lookups go
@@ -198,35 +232,165 @@ class Router:
             return []
         return block_hashes(self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size)
 
-    async def _start_kv_lookup(self, request: GenerationRequest, hashes: Optional[list[str]] = None) -> None:
+    def _lookup_call(self, tenant: str, hashes: list[str]):
+        return self._dataplane.lookup_prefix.remote(
+            tenant, hashes, shard_key=hashes[0], with_refs=True,
+            direct_l3=self._config.dataplane.direct_l3_reads,
+        )
+
+    async def _start_kv_lookup(
+        self,
+        request: GenerationRequest,
+        hashes: Optional[list[str]] = None,
+        session_lookup: Optional[asyncio.Future] = None,
+    ) -> None:
         """Start the data plane's lookup of the prompt's prefix now and hand the call to
         the worker with the request (``kv_lookup``): it runs while the request travels to
         the worker, whose engine would otherwise make the same call first thing, so a
-        miss costs less and a hit starts loading sooner. Any failure only means the
-        worker asks itself."""
+        miss costs less and a hit starts loading sooner. ``session_lookup``: the lookup
+        of the session's last turn that :meth:`start_session_lookup` started as the
+        request arrived; used instead when the prompt extends that turn. Any failure
+        only means the worker asks itself."""
         hashes = self._kv_hashes(request) if hashes is None else hashes
         if not hashes:
             return
+        started = time.perf_counter()
+        if session_lookup is not None:
+            result = await self._use_session_lookup(request, hashes, session_lookup)
+            self._log_lookup_start(request, f"session:{result}", started)
+            if result != "mismatch":
+                # Used; or not started in LOOKUP_START_TIMEOUT_S (the data plane is slow
+                # to take calls: another try would hold the request as long again, so
+                # the worker asks itself).
+                return
+            started = time.perf_counter()
         try:
-            call = self._dataplane.lookup_prefix.remote(
-                request.tenant, hashes, shard_key=hashes[0], with_refs=True,
-                direct_l3=self._config.dataplane.direct_l3_reads,
-            )
+            call = self._lookup_call(request.tenant, hashes)
             # Resolves once the call is assigned to a data-plane replica (not answered).
             # Bounded: with no data-plane replica to take it, the worker asks itself later.
-            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=0.2)
+            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
             request.kv_lookup_key = hashes[-1]
             self._m_kv_lookups.inc()
+            self._log_lookup_start(request, "prompt", started)
         except Exception as e:  # noqa: BLE001 - the worker looks up itself
             logger.debug("router-started KV lookup not started: %r", e)
+
+    @staticmethod
+    def _log_lookup_start(request: GenerationRequest, kind: str, started: float) -> None:
+        """DEBUG: how long this request waited here for its KV lookup's start (the
+        assignment of the call to a data-plane replica), by kind: ``prompt`` (started
+        here, for the prompt's blocks) or ``session:<result>`` (started as the request
+        arrived, :meth:`start_session_lookup`)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv lookup start: request=%s kind=%s blocks=%s wait_ms=%.1f",
+                request.request_id, kind, request.kv_lookup_blocks, 1000 * (time.perf_counter() - started),
+            )
+
+    async def _use_session_lookup(
+        self, request: GenerationRequest, hashes: list[str], session_lookup: asyncio.Future
+    ) -> str:
+        """Hand the request the lookup of its session's last turn when the prompt's
+        blocks begin with all of that turn's (then the data plane holds nothing more of
+        the prompt, whose other blocks are the new messages): "used". "mismatch": they do
+        not; "failed": the call was not started in time (or the task was cancelled).
+        A call that failed otherwise (no data-plane replica took it) counts as a
+        mismatch, so the usual lookup, which Serve may send to another replica, goes."""
+        try:
+            started = await session_lookup
+        except asyncio.CancelledError:
+            if not session_lookup.cancelled() or asyncio.current_task().cancelling():
+                raise  # this request is being cancelled, not only the lookup
+            started = None
+        except Exception as e:  # noqa: BLE001 - the usual lookup instead
+            logger.debug("session KV lookup failed: %r", e)
+            self._m_session_lookups.inc(tags={"result": "failed"})
+            return "mismatch"
+        if started is None:
+            self._m_session_lookups.inc(tags={"result": "failed"})
+            return "failed"
+        tenant, chain, ref = started
+        n = len(chain)
+        if tenant != request.tenant or n > len(hashes) or hashes[n - 1] != chain[-1]:
+            # A history changed by truncation, or a reply whose ids the next prompt does
+            # not repeat: the lookup of the prompt's own blocks goes instead.
+            self._m_session_lookups.inc(tags={"result": "mismatch"})
+            return "mismatch"
+        # Chained hashes: an equal last hash means equal blocks all the way up.
+        request.kv_lookup, request.kv_lookup_key, request.kv_lookup_blocks = ref, chain[-1], n
+        self._m_session_lookups.inc(tags={"result": "used"})
+        self._m_kv_lookups.inc()
+        return "used"
+
+    def start_session_lookup(
+        self, tenant: str, session_id: str, version: Optional[int] = None
+    ) -> Optional[SessionLookup]:
+        """The data plane's lookup of the blocks of session ``session_id``'s last turn
+        here (:meth:`remember_session_turn`), started now, as its next turn arrives: the
+        call's assignment to a data-plane replica (a Serve handshake, ~4-9 ms on 2 cores)
+        then overlaps the ingress building the prompt instead of following it. Its task
+        resolves to ``(tenant, hashes, ObjectRef)``, or to None if no replica took the
+        call within LOOKUP_START_TIMEOUT_S. None when this router has no such turn
+        (another ingress replica served it, or it was evicted), when ``version`` (the
+        session's, as the caller knows it) is not the one right after that turn, or when
+        the request would be prefetched (no idle worker: it will queue)."""
+        key = (tenant, session_id)
+        entry = self._session_chains.get(key)
+        if entry is None or self._dataplane is None or self._prefetches_now():
+            # (A request that will queue is prefetched instead; the worker looks it up.)
+            return None
+        chain_version, chain = entry
+        if version is not None and version != chain_version:
+            self._m_session_lookups.inc(tags={"result": "stale"})
+            return None
+        self._session_chains.move_to_end(key)
+
+        async def start():
+            call = self._lookup_call(tenant, chain)
+            try:
+                ref = await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return None
+            return tenant, chain, ref
+
+        # Its own Serve request id: the session read of the same request may be in
+        # flight to the data plane beside it (app/serve_context.py).
+        task = serve_context.spawn(start())
+        # Retrieved here: a request that failed before the router awaited it leaves it.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return SessionLookup(chain_version, task)
+
+    def drop_session_lookup(self, lookup: SessionLookup) -> None:
+        """``lookup`` will not be used: the prompt was built on another version of the
+        session than the one right after the looked-up turn."""
+        lookup.task.cancel()
+        self._m_session_lookups.inc(tags={"result": "stale"})
+
+    def remember_session_turn(self, tenant: str, session_id: str, version: int, token_ids: list[int]) -> None:
+        """Keep the block hashes of a session turn (``token_ids``: its prompt and the
+        reply's ids as stored with the session, which the next turn's prompt repeats)
+        and the session's ``version`` after it, for :meth:`start_session_lookup`. Only
+        where this router's lookups go through the data plane (the torch engine)."""
+        dc = self._config.dataplane
+        if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
+            return
+        chain = block_hashes(self._config.model.id, tenant, token_ids, dc.block_size)
+        if not chain:
+            return
+        key = (tenant, session_id)
+        old = self._session_chains.pop(key, None)
+        self._session_chain_hashes += len(chain) - (len(old[1]) if old else 0)
+        self._session_chains[key] = (version, chain)
+        while self._session_chain_hashes > SESSION_CHAINS_MAX_HASHES and len(self._session_chains) > 1:
+            _, (_, dropped) = self._session_chains.popitem(last=False)
+            self._session_chain_hashes -= len(dropped)
 
     def _prefetch(self, request: GenerationRequest, hashes: Optional[list[str]] = None) -> bool:
         """Ask the data plane to bring a session's blocks up to host memory while the
         request waits here: compute (queueing) and data (fetching) overlap. Whether it did."""
         if request.session_id is None:
             return False
-        dc = self._config.dataplane
-        if dc.prefetch == "off" or (dc.prefetch == "when_queued" and self._has_idle_worker()):
+        if not self._prefetches_now():
             # Dispatched at once: the router-started lookup serves it instead.
             return False
         hashes = self._kv_hashes(request) if hashes is None else hashes
@@ -240,6 +404,12 @@ class Router:
         self._prefetch_tasks.add(task)
         task.add_done_callback(self._prefetch_done)
         return True
+
+    def _prefetches_now(self) -> bool:
+        """Whether a session request arriving now would be prefetched (it will queue)
+        rather than go with a router-started lookup."""
+        policy = self._config.dataplane.prefetch
+        return policy == "always" or (policy == "when_queued" and not self._has_idle_worker())
 
     def _prefetch_done(self, task: asyncio.Task) -> None:
         self._prefetch_tasks.discard(task)
@@ -366,11 +536,16 @@ class Router:
             raise self._queue_full()
 
     async def generate(
-        self, request: GenerationRequest, gate: Optional[Awaitable] = None
+        self,
+        request: GenerationRequest,
+        gate: Optional[Awaitable] = None,
+        session_lookup: Optional[asyncio.Future] = None,
     ) -> AsyncIterator[TokenDelta]:
         """The request's deltas. ``gate``: awaited before the worker call, whose failure
         fails the request before anything reached a worker (the ingress's check that the
-        session history it built the prompt from is the store's)."""
+        session history it built the prompt from is the store's). ``session_lookup``:
+        the task of :meth:`start_session_lookup` for the request's session, if it started
+        one for the version the prompt was built on."""
         deadline = time.monotonic() + self._config.limits.request_timeout_s
         if not self._admission.try_acquire():
             raise self._queue_full()
@@ -385,7 +560,7 @@ class Router:
             elif hashes and not self._prefetch(request, hashes):
                 # Its assignment to a data-plane replica (~3 ms on 2 cores, which every
                 # request paid in full when awaited here) runs while the request queues.
-                lookup = asyncio.ensure_future(self._start_kv_lookup(request, hashes))
+                lookup = asyncio.ensure_future(self._start_kv_lookup(request, hashes, session_lookup))
             if not self._batching_resolved:  # the first request: asks a worker
                 await self._within_deadline(self._resolve_batching(), deadline, request, "queue")
             with self._tracer.start_as_current_span("router.queue", context=ctx) as span:

@@ -73,6 +73,9 @@ def stored_record(served_app, sid):
     return dataplane.get_session.remote("default", sid, shard_key=sid).result(timeout_s=30)
 
 
+SESSION_LOOKUPS = "llm_router_kv_session_lookups"
+
+
 def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
     """The server puts the stored history in front, token for token: the first reply's
     generated ids (not a re-tokenisation of its text) followed by the new message. The
@@ -83,13 +86,15 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
     from app.sessions import TOKEN_IDS_KEY, exact_prompt_ids
 
     worker = worker_handle("llm")
+    torch_engine = served_app.engine == "torch"
+    lookups_before = settled_result_counts(served_app, SESSION_LOOKUPS) if torch_engine else {}
     before = worker.kv_stats.remote().result(timeout_s=30)
     client = served_app.client()
     sid = new_session(served_app)["id"]
     first = turn(client, served_app.model_id, sid, "a long first message " * 6, max_tokens=12)
     second = turn(client, served_app.model_id, sid, "and a follow up", max_tokens=12)
     after = worker.kv_stats.remote().result(timeout_s=30)
-    if served_app.engine == "torch":
+    if torch_engine:
         # The second turn's prefix lookup was started by the router as it arrived and
         # awaited by the worker instead of a call of its own. So was the first's, unless
         # the root index (fresh by then, if an earlier test synced it) skipped it.
@@ -97,6 +102,12 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
         skipped = after["lookups_skipped"] - before["lookups_skipped"]
         assert used + skipped == 2 and used >= 1, (before, after)
         assert after["early_lookups_failed"] == before["early_lookups_failed"]
+        # The second turn's was the lookup of the first turn's blocks (prompt and reply),
+        # started before its prompt was built (Router.start_session_lookup): its prompt
+        # extends them. The first turn had no earlier turn to look up.
+        lookups = settled_result_counts(served_app, SESSION_LOOKUPS)
+        delta = {k: lookups.get(k, 0) - lookups_before.get(k, 0) for k in ("used", "mismatch", "failed")}
+        assert delta == {"used": 1, "mismatch": 0, "failed": 0}, (lookups_before, lookups)
     messages = stored_record(served_app, sid).messages
     history = messages[:2]
     assert history[1]["content"] == first.choices[0].message.content
@@ -326,30 +337,31 @@ def test_history_over_context_is_400_naming_the_overflow(served_app):
     assert get_session(served_app, sid).json()["version"] == 0
 
 
-def session_turn_counts(served_app) -> dict[str, float]:
-    """``llm_session_turns`` from /metrics, by result (hit, stale, miss)."""
+def result_counts(served_app, metric: str = "llm_session_turns") -> dict[str, float]:
+    """A counter's samples from /metrics, summed by their ``result`` label
+    (``llm_session_turns``: hit, stale, miss)."""
     import re
 
     counts: dict[str, float] = {}
     for line in httpx.get(served_app.base_url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("ray_llm_session_turns") and not line.startswith("#"):
+        if line.startswith(f"ray_{metric}") and not line.startswith("#"):
             result = re.search(r'result="(\w+)"', line)
             if result:
                 counts[result.group(1)] = counts.get(result.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 
 
-def settled_session_turn_counts(served_app) -> dict[str, float]:
+def settled_result_counts(served_app, metric: str = "llm_session_turns") -> dict[str, float]:
     """The counts once two reads a few report intervals (1 s here) apart agree, so that
     nothing an earlier test did is still on its way."""
-    last = session_turn_counts(served_app)
+    last = result_counts(served_app, metric)
     for _ in range(20):
         time.sleep(2.5)
-        now = session_turn_counts(served_app)
+        now = result_counts(served_app, metric)
         if now == last:
             return now
         last = now
-    raise AssertionError(f"llm_session_turns never settled: {last}")
+    raise AssertionError(f"{metric} never settled: {last}")
 
 
 # Engine-independent (the ingress alone decides where a turn's history comes from).
@@ -367,7 +379,8 @@ def test_turns_start_on_the_ingress_record_and_one_moved_on_elsewhere_uses_the_s
 
     dataplane = serve.get_deployment_handle("DataPlane", app_name="llm")
     client = served_app.client()
-    before = settled_session_turn_counts(served_app)
+    before = settled_result_counts(served_app)
+    lookups_before = result_counts(served_app, SESSION_LOOKUPS)  # settled with the above
     sid = new_session(served_app)["id"]
     turn(client, served_app.model_id, sid, "first question", max_tokens=6)
     turn(client, served_app.model_id, sid, "second question", max_tokens=6)
@@ -384,13 +397,22 @@ def test_turns_start_on_the_ingress_record_and_one_moved_on_elsewhere_uses_the_s
     tokenizer = AutoTokenizer.from_pretrained(served_app.model_path)
     prompt = exact_prompt_ids(tokenizer, stored.messages[:6] + [{"role": "user", "content": "and back here"}])
     assert r.usage.prompt_tokens == len(prompt)
-    after = settled_session_turn_counts(served_app)
+    after = settled_result_counts(served_app)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hit", "stale", "miss")}
     # The third turn is stale when the ingress built it before the store's read came
     # back, and a hit on the store's record when the read came back first (it refreshes
     # the ingress's record: under load the body arrives later than the read). Either
     # way it was built on the store's history (checked above), and no turn waited.
     assert delta in ({"hit": 2, "stale": 1, "miss": 0}, {"hit": 3, "stale": 0, "miss": 0}), (before, after)
+    # The second turn went with the KV lookup of the first turn's blocks, started before
+    # its prompt was built. The third did not: its prompt was built on a version with a
+    # turn from elsewhere after this ingress's last one, whose blocks that lookup would
+    # not cover (stale). Started on the ingress's older record, its first attempt had it
+    # (used), until the store's record replaced that prompt.
+    lookups = settled_result_counts(served_app, SESSION_LOOKUPS)
+    lookup_delta = {k: lookups.get(k, 0) - lookups_before.get(k, 0) for k in ("used", "stale", "mismatch", "failed")}
+    used = 2 if delta["stale"] else 1
+    assert lookup_delta == {"used": used, "stale": 1, "mismatch": 0, "failed": 0}, (lookups_before, lookups)
 
 
 @pytest.mark.parametrize("served_app", ["torch"], indirect=True)

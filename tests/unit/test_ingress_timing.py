@@ -32,7 +32,7 @@ class _Router:
     def reject_if_full(self):
         pass
 
-    async def generate(self, request, gate=None):
+    async def generate(self, request, gate=None, session_lookup=None):
         yield TokenDelta(token_ids=[7], text="a", num_output_tokens=1)
         yield TokenDelta(token_ids=[8], text="b", num_output_tokens=2, finish_reason="length")
 

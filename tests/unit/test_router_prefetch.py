@@ -301,3 +301,157 @@ async def test_a_stale_root_index_skips_nothing(one_worker):
     _ = [d async for d in router.generate(request)]
     assert request.kv_lookup_skip is False and len(dp.lookup_prefix.calls) == 1
     await index.stop()
+
+
+def _turn(prompt: list[int], session_id: str = "sess_x") -> GenerationRequest:
+    r = GenerationRequest(f"req-{len(prompt)}", prompt, SamplingParams(max_tokens=20))
+    r.session_id = session_id
+    r.session_continues = True
+    return r
+
+
+def _torch_router(dp) -> Router:
+    return Router(_Worker(), {"dataplane": {"block_size": 16}, "engine": {"name": "torch"}}, dp)
+
+
+FIRST, REPLY, NEW = list(range(100, 150)), list(range(500, 520)), list(range(600, 640))
+
+
+async def test_a_sessions_next_turn_goes_with_the_lookup_started_before_its_prompt(one_worker):
+    """After a session turn (its prompt and reply ids, and the version it left), the
+    next turn's lookup of those blocks starts as that turn arrives (before its prompt
+    exists) and goes to the worker in place of a lookup of the new prompt, keyed by the
+    last block it covered, which the engine checks against the prompt's own hashes."""
+    from deployments.compute.engines.kv import block_hashes
+    from deployments.compute.engines.torch_engine import _started_lookup
+
+    dp = _DataPlane()
+    router = _torch_router(dp)
+    assert router.start_session_lookup("default", "sess_x") is None  # nothing served yet
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    chain = block_hashes(router._config.model.id, "default", FIRST + REPLY, 16)
+    assert len(chain) == 4  # 70 tokens
+    assert router.start_session_lookup("default", "other") is None
+    assert router.start_session_lookup("tenant-b", "sess_x") is None
+    assert router.start_session_lookup("default", "sess_x", version=4) is None  # turns since
+    assert dp.lookup_prefix.calls == []
+    lookup = router.start_session_lookup("default", "sess_x", version=2)
+    assert lookup.version == 2 and await lookup.task == ("default", chain, "lookup-ref")
+    (tenant, hashes), kwargs = dp.lookup_prefix.calls[0]
+    assert hashes == chain and kwargs["shard_key"] == chain[0] and kwargs["with_refs"] is True
+
+    second = _turn(FIRST + REPLY + NEW)  # the history, then the new messages
+    _ = [d async for d in router.generate(second, session_lookup=lookup.task)]
+    assert len(dp.lookup_prefix.calls) == 1  # no lookup of the new prompt
+    assert (second.kv_lookup, second.kv_lookup_key, second.kv_lookup_blocks) == ("lookup-ref", chain[-1], 4)
+    own = block_hashes(router._config.model.id, "default", second.prompt_token_ids[:-1], 16)
+    assert len(own) == 6 and own[:4] == chain
+    assert _started_lookup(second, own) == "lookup-ref"
+
+
+async def test_a_prompt_that_does_not_extend_the_last_turn_looks_itself_up(one_worker):
+    """A history the prompt no longer starts with (truncated, edited): the early lookup is
+    left unused and the prompt's own blocks are looked up, as without it."""
+    dp = _DataPlane()
+    router = _torch_router(dp)
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    lookup = router.start_session_lookup("default", "sess_x")
+    truncated = _turn(FIRST[16:] + REPLY + NEW)
+    _ = [d async for d in router.generate(truncated, session_lookup=lookup.task)]
+    assert len(dp.lookup_prefix.calls) == 2  # the early lookup, this prompt's own
+    own = dp.lookup_prefix.calls[1][0][1]
+    assert truncated.kv_lookup_key == own[-1] and truncated.kv_lookup_blocks is None
+
+
+async def test_a_failed_early_lookup_falls_back_to_the_usual_one(one_worker):
+    dp = _DataPlane()
+    router = _torch_router(dp)
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    dp.lookup_prefix.ref = ConnectionError("no data-plane replica")
+    lookup = router.start_session_lookup("default", "sess_x")
+    with pytest.raises(ConnectionError):
+        await lookup.task
+    dp.lookup_prefix.ref = "second-ref"
+    second = _turn(FIRST + REPLY + NEW)
+    _ = [d async for d in router.generate(second, session_lookup=lookup.task)]
+    assert second.kv_lookup == "second-ref" and second.kv_lookup_blocks is None
+
+
+async def test_an_early_lookup_not_started_in_time_holds_the_request_no_longer(one_worker, monkeypatch):
+    """No data-plane replica took the early call within LOOKUP_START_TIMEOUT_S: the
+    router does not try again (that would hold the request as long again); the worker
+    asks the data plane itself."""
+    from deployments.router import deployment
+
+    monkeypatch.setattr(deployment, "LOOKUP_START_TIMEOUT_S", 0.05)
+    dp = _DataPlane()
+    dp.lookup_prefix = _HeldLookups()  # never assigned
+    router = _torch_router(dp)
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    lookup = router.start_session_lookup("default", "sess_x")
+    assert await lookup.task is None
+    second = _turn(FIRST + REPLY + NEW)
+    _ = [d async for d in router.generate(second, session_lookup=lookup.task)]
+    assert len(dp.lookup_prefix.calls) == 1  # the early one only
+    assert second.kv_lookup is None and second.kv_lookup_key is None
+
+
+def test_session_turns_are_remembered_only_where_lookups_go_through_the_data_plane():
+    for config in ({"engine": {"name": "vllm"}}, {"engine": {"name": "torch"}, "dataplane": {"kv_reuse": False}}):
+        router = Router(_Worker(), config, _DataPlane())
+        router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+        assert router.start_session_lookup("default", "sess_x") is None
+    router = _torch_router(None)  # no data plane
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    assert router.start_session_lookup("default", "sess_x") is None
+    router = _torch_router(_DataPlane())
+    router.remember_session_turn("default", "sess_x", 2, FIRST[:15])  # not one whole block
+    assert router.start_session_lookup("default", "sess_x") is None
+
+
+def test_the_engine_uses_a_started_lookup_only_for_the_prompts_own_blocks():
+    from deployments.compute.engines.torch_engine import _started_lookup
+
+    hashes = ["h0", "h1", "h2"]
+    r = GenerationRequest("r", list(range(60)), SamplingParams(max_tokens=4))
+    assert _started_lookup(r, hashes) is None
+    r.kv_lookup, r.kv_lookup_key = "ref", "h2"
+    assert _started_lookup(r, hashes) == "ref"  # all of the prompt's blocks
+    r.kv_lookup_key = "h1"
+    assert _started_lookup(r, hashes) is None  # another prompt's lookup
+    r.kv_lookup_blocks = 2
+    assert _started_lookup(r, hashes) == "ref"  # its first two blocks
+    r.kv_lookup_blocks = 4
+    assert _started_lookup(r, hashes) is None  # more blocks than the prompt has
+    r.kv_lookup_blocks = 0
+    assert _started_lookup(r, hashes) is None
+
+
+async def test_session_chains_are_bounded(one_worker, monkeypatch):
+    """The least recently used sessions' chains go first once the hashes held pass the cap."""
+    from deployments.router import deployment
+
+    monkeypatch.setattr(deployment, "SESSION_CHAINS_MAX_HASHES", 8)
+    router = _torch_router(_DataPlane())
+    for sid in ("a", "b", "c"):  # four blocks each
+        router.remember_session_turn("default", sid, 2, FIRST + REPLY)
+        if sid == "b":
+            router.start_session_lookup("default", "a").task.cancel()  # "a" used: "b" is older now
+    assert router._session_chain_hashes == 8
+    assert router.start_session_lookup("default", "b") is None
+    for sid in ("a", "c"):
+        router.start_session_lookup("default", sid).task.cancel()
+    router.remember_session_turn("default", "a", 4, FIRST + REPLY + NEW)  # its next turn: six
+    assert router._session_chain_hashes == 6 and router.start_session_lookup("default", "c") is None
+
+
+async def test_no_early_lookup_for_a_turn_that_will_be_prefetched(one_worker):
+    """Every worker busy: the request will queue and be prefetched (``when_queued``), so no
+    lookup starts as it arrives (the worker looks it up when it runs it)."""
+    dp = _DataPlane()
+    router = _torch_router(dp)
+    router.remember_session_turn("default", "sess_x", 2, FIRST + REPLY)
+    router._num_inflight = 1
+    assert router.start_session_lookup("default", "sess_x") is None
+    router._num_inflight = 0
+    router.start_session_lookup("default", "sess_x").task.cancel()

@@ -60,9 +60,14 @@ class GenerationRequest:
     # KV reuse: the data plane's lookup of this prompt's prefix, started by the router as
     # the request arrived (a Ray ObjectRef of ``lookup_prefix``'s PrefixHit), so that it
     # runs while the request travels to its worker; ``kv_lookup_key`` is the last block
-    # hash it looked up, which the worker checks against its own before using it.
+    # hash it looked up, which the worker checks against its own before using it (a
+    # match means the same blocks up to there: each hash chains its parent's).
     kv_lookup: Optional[Any] = None
     kv_lookup_key: Optional[str] = None
+    # How many leading blocks that lookup covered, when fewer than the prompt has (the
+    # lookup of a session's previous turn, started before this prompt was built; the
+    # key is then the hash of block ``kv_lookup_blocks - 1``). None: all of them.
+    kv_lookup_blocks: Optional[int] = None
     # KV reuse: the router's index of stored chains has none that starts with this
     # prompt's first block, so a data-plane lookup would miss for certain; the engine
     # skips it (its own L1 still counts). deployments/dataplane/root_index.py.

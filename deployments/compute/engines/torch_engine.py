@@ -509,8 +509,7 @@ class TorchEngine(Engine):
             if l1_blocks < len(hashes) and request.kv_lookup_skip:
                 stats.lookups_skipped += 1
             elif l1_blocks < len(hashes):
-                started = request.kv_lookup if request.kv_lookup_key == hashes[-1] else None
-                hit = await kv.lookup(tenant, hashes, started=started)
+                hit = await kv.lookup(tenant, hashes, started=_started_lookup(request, hashes))
             t_lookup = time.perf_counter() - t0
             num_blocks = min(int(hit.num_blocks), len(hashes))
             if l1_blocks >= num_blocks:
@@ -1039,6 +1038,19 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _started_lookup(request: GenerationRequest, hashes: list[str]):
+    """The data-plane lookup the router started for this request (``kv_lookup``), if it
+    looked up the prompt's own leading blocks: its key must be the hash of the last block
+    it covered (all of the prompt's, or ``kv_lookup_blocks`` of them). Its hit then
+    covers at most those blocks, which the connector's stash and ``load`` key by."""
+    if request.kv_lookup is None:
+        return None
+    n = len(hashes) if request.kv_lookup_blocks is None else request.kv_lookup_blocks
+    if not 0 < n <= len(hashes) or request.kv_lookup_key != hashes[n - 1]:
+        return None
+    return request.kv_lookup
 
 
 def _coalesce(items: list[Union[TokenDelta, BaseException]]) -> TokenDelta:

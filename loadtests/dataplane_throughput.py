@@ -1,7 +1,7 @@
 """Block put/get throughput of the data plane against redis-benchmark, same value size,
 same machine; the bounds that limit it; and how long a worker waits for a prefix.
 
-    python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 512]
+    python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 2048]
         [--batch 64] [--concurrency 4] [--rounds 3] [--warmup 1] [--no-bounds]
         [--worker-blocks 8,32,128] [--kv-redis cache|shared]
         [--prefault-object-store-bytes N] [--out FILE]
@@ -339,7 +339,11 @@ async def with_reader(cfg, fn, *args):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.dataplane_throughput")
     p.add_argument("--block-kib", type=int, default=256)
-    p.add_argument("--num-blocks", type=int, default=512)
+    # 2048 blocks of 256 KiB: each of ours' phases moves 512 MiB and redis-benchmark's
+    # 1 GiB, ~0.2-1 s each. With 512 blocks (the default until 2026-12-03) a phase took
+    # ~0.1 s, and one slow tenth of a second on either side moved the ratio threefold:
+    # put / SET 0.84 in one such run, 0.27 with 2048 blocks minutes later.
+    p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64, help="blocks per call (a prefix)")
     p.add_argument("--concurrency", type=int, default=4, help="calls in flight")
     p.add_argument("--rounds", type=int, default=3)

@@ -232,11 +232,15 @@ class Router:
             return []
         return block_hashes(self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size)
 
-    def _lookup_call(self, tenant: str, hashes: list[str]):
-        return self._dataplane.lookup_prefix.remote(
+    async def _start_lookup_call(self, tenant: str, hashes: list[str]):
+        """Call the data plane's lookup of ``hashes`` (with references, for the worker)
+        and return the call's ObjectRef once the call is assigned to a replica (not
+        answered); asyncio.TimeoutError after LOOKUP_START_TIMEOUT_S."""
+        call = self._dataplane.lookup_prefix.remote(
             tenant, hashes, shard_key=hashes[0], with_refs=True,
             direct_l3=self._config.dataplane.direct_l3_reads,
         )
+        return await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
 
     async def _start_kv_lookup(
         self,
@@ -258,17 +262,15 @@ class Router:
         if session_lookup is not None:
             result = await self._use_session_lookup(request, hashes, session_lookup)
             self._log_lookup_start(request, f"session:{result}", started)
-            if result != "mismatch":
+            if result in ("used", "failed"):
                 # Used; or not started in LOOKUP_START_TIMEOUT_S (the data plane is slow
                 # to take calls: another try would hold the request as long again, so
                 # the worker asks itself).
                 return
             started = time.perf_counter()
         try:
-            call = self._lookup_call(request.tenant, hashes)
-            # Resolves once the call is assigned to a data-plane replica (not answered).
             # Bounded: with no data-plane replica to take it, the worker asks itself later.
-            request.kv_lookup = await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
+            request.kv_lookup = await self._start_lookup_call(request.tenant, hashes)
             request.kv_lookup_key = hashes[-1]
             self._m_kv_lookups.inc()
             self._log_lookup_start(request, "prompt", started)
@@ -293,9 +295,10 @@ class Router:
         """Hand the request the lookup of its session's last turn when the prompt's
         blocks begin with all of that turn's (then the data plane holds nothing more of
         the prompt, whose other blocks are the new messages): "used". "mismatch": they do
-        not; "failed": the call was not started in time (or the task was cancelled).
-        A call that failed otherwise (no data-plane replica took it) counts as a
-        mismatch, so the usual lookup, which Serve may send to another replica, goes."""
+        not; "failed": the call was not started in time (or the task was cancelled);
+        "error": the call failed otherwise (no data-plane replica took it), counted as
+        failed, and the usual lookup, which Serve may send to another replica, goes (as
+        after a mismatch)."""
         try:
             started = await session_lookup
         except asyncio.CancelledError:
@@ -305,7 +308,7 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the usual lookup instead
             logger.debug("session KV lookup failed: %r", e)
             self._m_session_lookups.inc(tags={"result": "failed"})
-            return "mismatch"
+            return "error"
         if started is None:
             self._m_session_lookups.inc(tags={"result": "failed"})
             return "failed"
@@ -346,12 +349,10 @@ class Router:
         self._session_chains.move_to_end(key)
 
         async def start():
-            call = self._lookup_call(tenant, chain)
             try:
-                ref = await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
+                return tenant, chain, await self._start_lookup_call(tenant, chain)
             except asyncio.TimeoutError:
                 return None
-            return tenant, chain, ref
 
         # Its own Serve request id: the session read of the same request may be in
         # flight to the data plane beside it (app/serve_context.py).

@@ -180,6 +180,18 @@ class EngineConfig(_Strict):
         "the worker's own memory in front of the data plane (what cache-aware placement "
         "steers requests to). Active with dataplane.kv_reuse; 0 turns it off.",
     )
+    kv_arena_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        le=1 << 40,
+        description="torch engine on a CPU: host memory mapped and touched once as the worker "
+        "starts, that the KV buffers of its sequences and fetched prefixes are carved from "
+        "(deployments/compute/engines/kv_arena.py). Memory from malloc faults on first write, "
+        "3-100 us a page on the VMs measured: a fetched 2k-token prefix's decode took 3-8 ms "
+        "from touched pages and up to 386 ms from fresh ones. Capped at what max_num_seqs "
+        "sequences of max_model_len tokens hold; buffers beyond it come from malloc "
+        "(llm_engine_kv_arena_fallbacks). Resident for the replica's life. 0 turns it off.",
+    )
     vllm: VLLMOptions = Field(
         default_factory=VLLMOptions, description="Options of the vllm engine (ignored by torch)."
     )

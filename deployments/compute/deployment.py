@@ -102,9 +102,11 @@ class ComputeWorker:
             reader = None
             if dc.direct_l3_reads and self._config.engine.name == "torch":
                 # (vLLM's own connector reads Redis in its processes: vllm_kv_connector.py.)
+                from deployments.compute.engines.kv_arena import host_bytes
                 from deployments.dataplane.redis_store import BlockReader
 
-                reader = BlockReader.from_config(dc.kv_redis or dc.redis)
+                # Its reply buffers come from the engine's KV arena (no page faults).
+                reader = BlockReader.from_config(dc.kv_redis or dc.redis, buffer=host_bytes)
             kv_connector = DataPlaneKVConnector(dataplane, dc.block_size, l3_reader=reader)
         self._kv_connector = kv_connector
         phase("connector")
@@ -181,6 +183,7 @@ class ComputeWorker:
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),
                 ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),
+                ("arena_fallbacks", "KV buffers that came from malloc because the KV arena had no room for them."),
                 ("early_lookups_used", "Prefix lookups started by the router that the worker used instead of its own."),
                 ("early_lookups_failed", "Router-started prefix lookups that failed (the worker then asked itself)."),
                 ("direct_l3_reads", "Prefix loads whose L3 blocks this worker read from Redis itself."),
@@ -203,6 +206,11 @@ class ComputeWorker:
             "llm_engine_kv_import_bytes_per_s",
             "Measured speed of importing a stored prefix from a tier (load, decode, copy to the device).",
             tag_keys=(*tags, "tier"),
+        )
+        self._m_arena_bytes = metrics.Gauge(
+            "llm_engine_kv_arena_bytes",
+            "The torch engine's KV arena on a CPU (kv_arena.py): bytes in use and capacity.",
+            tag_keys=(*tags, "state"),
         )
         self._m_queue_depth = metrics.Gauge(
             "llm_worker_queue_depth",
@@ -233,6 +241,7 @@ class ComputeWorker:
             self._m_prefill_speed,
             self._m_prefill_fixed,
             self._m_import_speed,
+            self._m_arena_bytes,
             self._m_queue_depth,
             self._m_drains,
             self._m_drain_flushed,
@@ -340,6 +349,8 @@ class ComputeWorker:
             "early_lookups_failed": early.get("failed", 0),
             **{f"direct_l3_{k}": v for k, v in getattr(self._kv_connector, "direct_l3", {}).items()},
             "lookups": s.lookups,
+            "arena_used_bytes": getattr(s, "arena_used_bytes", 0),
+            "arena_capacity_bytes": getattr(s, "arena_capacity_bytes", 0),
             "prefill_tokens_per_s": s.prefill_tokens_per_s,
             "prefill_fixed_seconds": getattr(s, "prefill_fixed_seconds", None),
             "import_bytes_per_s": dict(getattr(s, "import_bytes_per_s", {})),
@@ -399,6 +410,9 @@ class ComputeWorker:
             self._m_prefill_fixed.set(kv["prefill_fixed_seconds"])
         for tier, rate in kv.get("import_bytes_per_s", {}).items():
             self._m_import_speed.set(rate, tags={"tier": tier})
+        if kv.get("arena_capacity_bytes"):
+            self._m_arena_bytes.set(kv["arena_used_bytes"], tags={"state": "used"})
+            self._m_arena_bytes.set(kv["arena_capacity_bytes"], tags={"state": "capacity"})
         for name, value in kv.items():
             counter = self._m_kv_counters.get(name)
             if counter is not None and value > self._kv_reported.get(name, 0):

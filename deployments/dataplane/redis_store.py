@@ -232,13 +232,17 @@ class BlockReader:
     into its object store, then the worker (``DataPlaneKVConnector``). The same clients
     and errors as :class:`RedisStore`: a connection failure is ``RedisUnavailable``."""
 
-    def __init__(self, client: aioredis.Redis):
+    def __init__(self, client: aioredis.Redis, buffer=None):
+        """``buffer``: where the reply buffers of the raw client come from (nbytes ->
+        uint8 array; default malloc), see ``RawBlockClient.buffer``."""
         self._kv = client
         self._raw = RawBlockClient.from_redis(client)
+        if self._raw is not None and buffer is not None:
+            self._raw.buffer = buffer
 
     @classmethod
-    def from_config(cls, cfg: RedisConfig, environ=os.environ) -> "BlockReader":
-        return cls(_client(cfg, environ))
+    def from_config(cls, cfg: RedisConfig, environ=os.environ, buffer=None) -> "BlockReader":
+        return cls(_client(cfg, environ), buffer=buffer)
 
     def _clients(self) -> list[aioredis.Redis]:
         return [self._kv]

@@ -220,6 +220,10 @@ class _Conn:
         raise rexc.InvalidResponse(f"unexpected reply {line[:40]!r}")
 
 
+def _empty_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
 class RawBlockClient:
     def __init__(
         self,
@@ -245,6 +249,10 @@ class RawBlockClient:
         # A value's size as the last call read them (the first piece of a call is sized
         # by it).
         self._value_hint = _VALUE_GUESS
+        # Where mget_packed's reply buffers come from (nbytes -> uint8 array): a torch
+        # worker's reads take them from its KV arena, pages touched once
+        # (engines/kv_arena.py:host_bytes), the data plane's from malloc.
+        self.buffer = _empty_bytes
 
     @classmethod
     def from_redis(cls, client) -> Optional["RawBlockClient"]:
@@ -405,7 +413,7 @@ class RawBlockClient:
                             # little (blocks of one model differ only in their header's
                             # digits); grown by copying if a value is larger still.
                             rest = len(keys) - len(lengths)
-                            grown = np.empty(offset + (n + _SLACK) * rest + (offset >> 2), np.uint8)
+                            grown = self.buffer(offset + (n + _SLACK) * rest + (offset >> 2))
                             if out is not None:
                                 grown[:offset] = out[:offset]
                             out = grown

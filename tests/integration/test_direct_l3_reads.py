@@ -121,6 +121,42 @@ async def test_the_worker_reads_l3_itself_and_the_data_plane_promotes_it(redis_s
         await dp.shutdown()
 
 
+async def test_a_torch_workers_l3_read_lands_in_its_kv_arena(redis_server):
+    """The worker's reader takes its reply buffers from the KV arena (pages touched once,
+    engines/kv_arena.py), as ComputeWorker sets it up: the blocks are read into it intact,
+    and its memory returns once the blocks are dropped."""
+    import gc
+
+    import numpy as np
+
+    from deployments.compute.engines import kv_arena
+
+    kv_arena.uninstall()
+    kv_arena.install(8 << 20, background=False)
+    arena = kv_arena.current()
+    dp = dataplane(redis_server.url)
+    reader = BlockReader.from_config(dp._cfg.redis, buffer=kv_arena.host_bytes)
+    try:
+        connector = DataPlaneKVConnector(InProcessHandle(dp), 16, l3_reader=reader, promote_delay_s=0.2)
+        hashes = [f"ar{i}" for i in range(4)]
+        blocks = [block(50_000, 40 + i) for i in range(4)]
+        await _stored(dp, "t", hashes, blocks)
+        assert (await connector.lookup("t", hashes)).tier == "L3"
+        got = await connector.load("t", hashes)
+        assert [bytes(b) for b in got] == blocks and connector.direct_l3["reads"] == 1
+        lo, hi = arena.address_range()
+        assert all(lo <= np.frombuffer(b, np.uint8).ctypes.data < hi for b in got)
+        assert arena.stats()["used_bytes"] >= sum(len(b) for b in blocks)
+        await connector.drain()
+        del got
+        gc.collect()
+        assert arena.stats()["used_bytes"] == 0
+    finally:
+        kv_arena.uninstall()
+        await reader.close()
+        await dp.shutdown()
+
+
 async def test_a_corrupt_or_missing_l3_block_falls_back_to_the_data_plane(redis_server, redis_client, caplog):
     dp = dataplane(redis_server.url)
     reader = BlockReader.from_config(dp._cfg.redis)

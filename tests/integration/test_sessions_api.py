@@ -108,6 +108,11 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
         lookups = settled_result_counts(served_app, SESSION_LOOKUPS)
         delta = {k: lookups.get(k, 0) - lookups_before.get(k, 0) for k in ("used", "mismatch", "failed")}
         assert delta == {"used": 1, "mismatch": 0, "failed": 0}, (lookups_before, lookups)
+        # Both turns' KV buffers (the cache, the fetched prefix) came from the worker's KV
+        # arena (engines/kv_arena.py), which /metrics reports.
+        assert after["arena_capacity_bytes"] > 0, after
+        assert after["arena_fallbacks"] == before["arena_fallbacks"], (before, after)
+        assert after["arena_capacity_bytes"] in _arena_capacities(served_app)
     messages = stored_record(served_app, sid).messages
     history = messages[:2]
     assert history[1]["content"] == first.choices[0].message.content
@@ -349,6 +354,22 @@ def result_counts(served_app, metric: str = "llm_session_turns") -> dict[str, fl
             if result:
                 counts[result.group(1)] = counts.get(result.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def _arena_capacities(served_app, timeout_s: float = 30.0) -> set[float]:
+    """The values of ``llm_engine_kv_arena_bytes{state="capacity"}`` in /metrics (one per
+    worker replica of the cluster), once reported (a worker sets it when Serve polls its
+    routing stats)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = {
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(served_app.base_url + "/metrics", timeout=30).text.splitlines()
+            if line.startswith("ray_llm_engine_kv_arena_bytes") and 'state="capacity"' in line
+        }
+        if values or time.monotonic() > deadline:
+            return values
+        time.sleep(1.0)
 
 
 def settled_result_counts(served_app, metric: str = "llm_session_turns") -> dict[str, float]:

@@ -21,6 +21,19 @@ from deployments.compute.engines.prefix_cache import PrefixCache
 B, H, D = 2, 3, 4
 
 
+@pytest.fixture(autouse=True, params=["malloc", "arena"])
+def buffer_memory(request):
+    """Every test twice: buffers from malloc, and from a KV arena (kv_arena.py), as in a
+    worker once its arena is populated."""
+    from deployments.compute.engines import kv_arena
+
+    kv_arena.uninstall()
+    if request.param == "arena":
+        kv_arena.install(16 << 20, background=False)
+    yield request.param
+    kv_arena.uninstall()
+
+
 @pytest.fixture(params=["native", "transformers"])
 def layer_class(request):
     """The layer as the native model gets it, and mixed into transformers' DynamicLayer."""

@@ -24,6 +24,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
         prefix_cache_bytes=config.engine.prefix_cache_bytes,
         model_impl=config.engine.model_impl,
         cpu_nice=config.engine.cpu_nice,
+        kv_arena_bytes=config.engine.kv_arena_bytes,
     )
 
 

@@ -22,6 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from deployments.compute.engines import kv_arena
+
 MIN_ROOM_TOKENS = 64
 # Room that a prefix imported for a request gets for its output tokens, beyond the
 # prompt's suffix; more comes by growth.
@@ -46,16 +48,29 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    # A tensor of its own over the array's memory (not a view: room_buffer() recognises
-    # a buffer by a span's _base); the storage keeps the array alive.
-    storage = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).untyped_storage()
+    return _over(np.empty(nbytes, dtype=np.uint8), shape, dtype)
+
+
+def _over(memory: np.ndarray, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of its own over ``memory`` (a ``uint8`` array of exactly its bytes; not a
+    view: room_buffer() recognises a buffer by a span's _base); its storage keeps the
+    array alive (and an arena's array returns its memory when it is freed)."""
+    storage = torch.from_numpy(memory).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def _empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """An uninitialised KV buffer: from :func:`host_empty` on the CPU (the default
-    device), else torch's allocator for that device."""
+    """An uninitialised KV buffer: on the CPU (the default device) from this process's
+    KV arena when it has room (``kv_arena.py``: pages touched once, no fault on first
+    write), else :func:`host_empty`; on another device, torch's allocator for it."""
     if device is None or torch.device(device).type == "cpu":
+        arena = kv_arena.current()
+        if arena is not None:
+            shape = tuple(int(n) for n in shape)
+            nbytes = math.prod(shape) * dtype.itemsize
+            memory = arena.take(nbytes) if nbytes else None
+            if memory is not None:
+                return _over(memory, shape, dtype)
         return host_empty(shape, dtype)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 

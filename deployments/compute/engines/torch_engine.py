@@ -44,7 +44,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 import torch
 
 from app.host_memory import minor_faults
-from deployments.compute.engines import llama
+from deployments.compute.engines import kv_arena, llama
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
 from deployments.compute.engines.kv import (
     TIER_L1,
@@ -119,6 +119,11 @@ class KVStats:
     # Prompt tokens whose K/V came from this worker's own L1 prefix cache (a subset of
     # prefix_hit_tokens, which counts every reused token).
     l1_hit_tokens: int = 0
+    # The process's KV arena (kv_arena.py): buffers it had no room for (they came from
+    # malloc), and its bytes in use and in all; 0 while there is none.
+    arena_fallbacks: int = 0
+    arena_used_bytes: int = 0
+    arena_capacity_bytes: int = 0
     # Measured prefill time = fixed + tokens / prefill_tokens_per_s (PrefillTimeModel):
     # the marginal speed, what recomputing a cached prefix runs at; None until measured.
     prefill_tokens_per_s: Optional[float] = None
@@ -212,6 +217,7 @@ class TorchEngine(Engine):
         always_fetch: bool = False,
         model_impl: str = "auto",
         cpu_nice: int = 0,
+        kv_arena_bytes: int = 0,
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -221,6 +227,8 @@ class TorchEngine(Engine):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 <= cpu_nice <= 19:
             raise ValueError(f"cpu_nice must be in [0, 19], got {cpu_nice}")
+        if kv_arena_bytes < 0:
+            raise ValueError(f"kv_arena_bytes must be >= 0, got {kv_arena_bytes}")
         connector_block_size = getattr(kv_connector, "block_size", None)
         if connector_block_size is not None and connector_block_size != block_size:
             raise ValueError(
@@ -281,6 +289,13 @@ class TorchEngine(Engine):
         self.block_size = block_size
         self._kv_block_shape = block_shape(self.config, block_size)
         self._kv_stats = KVStats()
+        # On a CPU, the KV buffers come from an arena of pages touched once (kv_arena.py),
+        # no larger than what max_num_seqs sequences of max_model_len tokens (with a
+        # quarter of room, kv_buffer.room_for) can hold at once.
+        self.kv_arena_bytes = 0
+        if self.device.type == "cpu" and kv_arena_bytes > 0:
+            most = self.max_num_seqs * (self.max_model_len * 5 // 4) * self._kv_token_bytes()
+            self.kv_arena_bytes = min(int(kv_arena_bytes), most)
         # L1 (engines/prefix_cache.py): recent blocks in this process, in front of the
         # connector; part of KV reuse, so only with a connector.
         self._l1 = None
@@ -307,6 +322,7 @@ class TorchEngine(Engine):
     async def start(self) -> None:
         if self._thread is not None:
             return
+        kv_arena.install(self.kv_arena_bytes)  # populated in the background, beside the load
         await asyncio.to_thread(self._load)
         warmed: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run_loop, args=(warmed,), name="torch-engine-loop", daemon=True)
@@ -401,12 +417,26 @@ class TorchEngine(Engine):
             blocks_exported=s.blocks_exported,
             export_failures=s.export_failures,
             l1_hit_tokens=s.l1_hit_tokens,
+            **self._arena_stats(),
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
             prefill_fixed_seconds=self.prefill_fixed_seconds(),
             import_bytes_per_s={
                 tier: rate for tier in self._import_rate if (rate := self.import_bytes_per_s(tier)) is not None
             },
         )
+
+    @staticmethod
+    def _arena_stats() -> dict:
+        """This process's KV arena (shared by its engines), zeros while it has none."""
+        arena = kv_arena.current()
+        if arena is None:
+            return {}
+        stats = arena.stats()
+        return {
+            "arena_fallbacks": stats["fallbacks"],
+            "arena_used_bytes": stats["used_bytes"],
+            "arena_capacity_bytes": stats["capacity_bytes"],
+        }
 
     def num_pending_kv_exports(self) -> int:
         """Exports scheduled and not yet handed to ``connector.save``."""
@@ -634,6 +664,10 @@ class TorchEngine(Engine):
         room = capacity - len(hashes) * self.block_size
         prefix = self._l1.get(hashes, room if self.device.type == "cpu" else 0)  # L1 is on the host
         return None if prefix is None else with_room(prefix, room, self.device)
+
+    def _kv_token_bytes(self) -> int:
+        """Bytes of one token's K/V over all layers."""
+        return self._l1_block_bytes() // self.block_size
 
     def _l1_block_bytes(self) -> int:
         n = self.dtype.itemsize

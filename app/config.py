@@ -187,7 +187,7 @@ class EngineConfig(_Strict):
         description="torch engine on a CPU: host memory mapped and touched once as the worker "
         "starts, that the KV buffers of its sequences and fetched prefixes are carved from "
         "(deployments/compute/engines/kv_arena.py). Memory from malloc faults on first write, "
-        "3-100 us a page on the VMs measured: a fetched 2k-token prefix's decode took 3-8 ms "
+        "3-140 us a page on the VMs measured: a fetched 2k-token prefix's decode took 3-16 ms "
         "from touched pages and up to 386 ms from fresh ones. Capped at what max_num_seqs "
         "sequences of max_model_len tokens hold; buffers beyond it come from malloc "
         "(llm_engine_kv_arena_fallbacks). Resident for the replica's life. 0 turns it off.",

@@ -4,8 +4,8 @@ Every KV buffer of the torch engine on a CPU (a sequence's cache layers, the buf
 fetched prefix is decoded into) is tens of MiB of fresh memory from malloc. What malloc
 hands out was often handed back to the kernel, or never touched: each 4 KiB page then
 faults on its first write. On the VMs here a fault costs 3 µs on a quiet machine and
-30-100 µs on a busy one (a prefix decode of 119 blocks took 386 ms with 7,740 faults,
-against 3-8 ms with none; ``loadtests/README.md``, "A KV arena"). Which decodes fault
+50-140 µs on a busy one (a prefix decode of 119 blocks took 386 ms with 7,740 faults,
+against 3-16 ms with none; ``loadtests/README.md``, "A KV arena"). Which decodes fault
 depends on what malloc happened to keep, so the same turn is fast or slow by chance.
 
 :class:`HostArena` is one anonymous mapping of ``capacity`` bytes, populated by the

@@ -32,7 +32,7 @@ _TOKENS_DIM = -2  # of a layer's [batch, heads, tokens, head_dim]
 _SPAN_TOKENS_DIM = 3  # of a span's [layers, 2, heads, tokens, head_dim]
 
 
-def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+def host_empty(shape, dtype: torch.dtype, *, arena: bool = False) -> torch.Tensor:
     """An uninitialised CPU tensor whose memory comes from plain ``malloc`` (through
     numpy) instead of torch's CPU allocator. Torch asks glibc for 64-byte aligned memory
     (``posix_memalign``), and glibc pads such a request by the alignment: once anything
@@ -43,35 +43,28 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     buffer from numpy reuses the one freed before it. Replicas run with numpy's huge
     pages off (``NUMPY_MADVISE_HUGEPAGE=0``, app/builder.py MEMORY_ENV): a huge-page
     fault may compact memory first, and decodes into fresh buffers took 30-350 ms.
-    ``loadtests/README.md`` ("Page faults in the decode") has the measurements."""
+    ``loadtests/README.md`` ("Page faults in the decode") has the measurements.
+
+    ``arena``: from this process's KV arena when it has one with room (``kv_arena.py``:
+    pages touched once, no fault on first write), else as above."""
     shape = tuple(int(n) for n in shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return _over(np.empty(nbytes, dtype=np.uint8), shape, dtype)
-
-
-def _over(memory: np.ndarray, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of its own over ``memory`` (a ``uint8`` array of exactly its bytes; not a
-    view: room_buffer() recognises a buffer by a span's _base); its storage keeps the
-    array alive (and an arena's array returns its memory when it is freed)."""
+    memory = kv_arena.host_bytes(nbytes) if arena else np.empty(nbytes, dtype=np.uint8)
+    # A tensor of its own over the array's memory (not a view: room_buffer() recognises
+    # a buffer by a span's _base); the storage keeps the array alive (and an arena's
+    # array returns its memory when it is freed).
     storage = torch.from_numpy(memory).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def _empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """An uninitialised KV buffer: on the CPU (the default device) from this process's
-    KV arena when it has room (``kv_arena.py``: pages touched once, no fault on first
-    write), else :func:`host_empty`; on another device, torch's allocator for it."""
+    """An uninitialised KV buffer: on the CPU (the default device) from
+    :func:`host_empty` with the process's KV arena, else torch's allocator for that
+    device."""
     if device is None or torch.device(device).type == "cpu":
-        arena = kv_arena.current()
-        if arena is not None:
-            shape = tuple(int(n) for n in shape)
-            nbytes = math.prod(shape) * dtype.itemsize
-            memory = arena.take(nbytes) if nbytes else None
-            if memory is not None:
-                return _over(memory, shape, dtype)
-        return host_empty(shape, dtype)
+        return host_empty(shape, dtype, arena=True)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 

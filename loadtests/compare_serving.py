@@ -1,6 +1,7 @@
 """Side-by-side measurements for the serving path, in one run on one machine.
 
     python -m loadtests.compare_serving [--preset small] [--rounds 2] [--out FILE.json]
+        [--configs batched,router_unbatched,unbatched] [--skip-direct]
 
 It starts a local Ray, and in each round (configurations alternate, so drift on a shared
 machine hits all of them alike):
@@ -16,6 +17,12 @@ machine hits all of them alike):
 
 It prints and stores the ratios: output tokens/s at concurrency 32 with batching on versus
 off, and p50 end-to-end latency at concurrency 1 through the service versus in-process.
+Odd rounds deploy in reverse order.
+
+``--configs`` picks the deployments (default the three above). ``batched_malloc`` is
+"batched" with the engine's KV arena off (``engine.kv_arena_bytes`` 0): with
+``--configs batched,batched_malloc --skip-direct`` a run is an A/B of the arena on the
+serving path (ratios ``output_tput_c32_arena_over_malloc`` and ``..._c1_...``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from loadtests.benchmark import RequestRecord, compare, format_table, run_level, summarize, write_report
 
@@ -35,7 +43,11 @@ CONFIGS = {
     "batched": {"router": {"max_batch_size": 8}, "engine": {"max_num_seqs": 32}},
     "router_unbatched": {"router": {"max_batch_size": 1}, "engine": {"max_num_seqs": 32}},
     "unbatched": {"router": {"max_batch_size": 1}, "engine": {"max_num_seqs": 1}},
+    # As "batched", with the engine's KV buffers from malloc instead of its KV arena
+    # (engine.kv_arena_bytes 0): the arena's cost or gain on this path (--configs).
+    "batched_malloc": {"router": {"max_batch_size": 8}, "engine": {"max_num_seqs": 32, "kv_arena_bytes": 0}},
 }
+DEFAULT_CONFIGS = ("batched", "router_unbatched", "unbatched")
 
 
 def _say(msg: str) -> None:
@@ -115,7 +127,20 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtests/results/compare_serving.json")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"which deployments to measure each round, in this order (of {', '.join(CONFIGS)}); "
+        "the ratios need the default three, batched_malloc is compared with batched",
+    )
+    p.add_argument(
+        "--skip-direct", action="store_true", help="no in-process engine level (no service-over-direct ratios)"
+    )
     args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        p.error(f"--configs: unknown {unknown or 'empty'}; choose from {', '.join(CONFIGS)}")
 
     import ray
     from ray import serve
@@ -142,15 +167,20 @@ def main(argv=None) -> int:
         results.setdefault(f"{label}@c{concurrency}", []).append(r)
 
     for rnd in range(args.rounds):
-        for name, overrides in CONFIGS.items():
+        # Odd rounds go in reverse order, so neither of two compared deployments always
+        # runs right after a fresh Ray start or right before the in-process engine.
+        for name in configs if rnd % 2 == 0 else configs[::-1]:
+            overrides = CONFIGS[name]
             _say(f"round {rnd + 1}/{args.rounds}: deploying '{name}'")
             serve.start(http_options={"host": "127.0.0.1", "port": args.port})
             serve.run(build_app(app_args(model_path, args.num_threads, overrides)), name="bench", route_prefix="/", blocking=False)
             wait_ready(base_url)
             asyncio.run(level(name, 32, args.num_prompts_c32))
-            if name == "batched":
+            if name in ("batched", "batched_malloc"):
                 asyncio.run(level(name, 1, args.num_prompts_c1))
             serve.shutdown()
+        if args.skip_direct:
+            continue
         _say(f"round {rnd + 1}/{args.rounds}: direct in-process engine")
         results.setdefault("direct_engine@c1", []).append(
             asyncio.run(direct_engine_level(model_path, args.num_threads, args))
@@ -160,21 +190,32 @@ def main(argv=None) -> int:
     def median_of(key: str, stat: str) -> float:
         return statistics.median(r[stat] for r in results[key])
 
+    def ratio(num: tuple[str, str], den: tuple[str, str]) -> Optional[float]:
+        if num[0] not in results or den[0] not in results:
+            return None  # a configuration left out by --configs
+        return median_of(*num) / median_of(*den)
+
+    tput = "output_throughput"
     ratios = {
-        "output_tput_c32_batched_over_unbatched": median_of("batched@c32", "output_throughput")
-        / median_of("unbatched@c32", "output_throughput"),
-        "output_tput_c32_batched_over_router_unbatched": median_of("batched@c32", "output_throughput")
-        / median_of("router_unbatched@c32", "output_throughput"),
-        "p50_e2e_c1_service_over_direct": median_of("batched@c1", "p50_e2el_ms")
-        / median_of("direct_engine@c1", "p50_e2el_ms"),
-        "p50_ttft_c1_service_over_direct": median_of("batched@c1", "p50_ttft_ms")
-        / median_of("direct_engine@c1", "p50_ttft_ms"),
-        "service_minus_direct_p50_e2e_ms": median_of("batched@c1", "p50_e2el_ms")
-        - median_of("direct_engine@c1", "p50_e2el_ms"),
+        "output_tput_c32_batched_over_unbatched": ratio(("batched@c32", tput), ("unbatched@c32", tput)),
+        "output_tput_c32_batched_over_router_unbatched": ratio(
+            ("batched@c32", tput), ("router_unbatched@c32", tput)
+        ),
+        "p50_e2e_c1_service_over_direct": ratio(("batched@c1", "p50_e2el_ms"), ("direct_engine@c1", "p50_e2el_ms")),
+        "p50_ttft_c1_service_over_direct": ratio(("batched@c1", "p50_ttft_ms"), ("direct_engine@c1", "p50_ttft_ms")),
+        # The KV arena (batched) against malloc (batched_malloc), both in this run.
+        "output_tput_c32_arena_over_malloc": ratio(("batched@c32", tput), ("batched_malloc@c32", tput)),
+        "output_tput_c1_arena_over_malloc": ratio(("batched@c1", tput), ("batched_malloc@c1", tput)),
     }
+    if "batched@c1" in results and "direct_engine@c1" in results:
+        ratios["service_minus_direct_p50_e2e_ms"] = median_of("batched@c1", "p50_e2el_ms") - median_of(
+            "direct_engine@c1", "p50_e2el_ms"
+        )
+    ratios = {k: v for k, v in ratios.items() if v is not None}
     print(format_table([r for runs in results.values() for r in runs]))
     print(json.dumps(ratios, indent=2))
-    print(json.dumps(compare(results["unbatched@c32"][0], results["batched@c32"][0]), indent=2))
+    if "unbatched@c32" in results and "batched@c32" in results:
+        print(json.dumps(compare(results["unbatched@c32"][0], results["batched@c32"][0]), indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), 'results': results, 'ratios': ratios})}")
     return 0
 

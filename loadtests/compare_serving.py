@@ -79,7 +79,12 @@ async def direct_engine_level(model_path: Path, num_threads: int, args) -> dict:
     from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
     from deployments.compute.engines.torch_engine import TorchEngine
 
-    engine = TorchEngine(str(model_path), max_num_seqs=32, num_threads=num_threads)
+    from app.config import EngineConfig
+
+    # As the deployed "batched" worker: the config's KV arena.
+    engine = TorchEngine(
+        str(model_path), max_num_seqs=32, num_threads=num_threads, kv_arena_bytes=EngineConfig().kv_arena_bytes
+    )
     await engine.start()
     rng = random.Random(args.seed + 1000)
     records = []

@@ -3,7 +3,7 @@ prefix imported versus recomputed, on whatever device the engine picks (CUDA whe
 one, else the CPU), with no Serve, Ray or Redis in the way.
 
     python -m loadtests.engine_kv [--preset small] [--dtype float32] [--turns 8]
-        [--turn-tokens 85] [--reply-tokens 180] [--rounds 2] [--out FILE]
+        [--turn-tokens 85] [--reply-tokens 180] [--rounds 2] [--kv-arena-bytes N] [--out FILE]
 
 What it isolates: ``loadtests/multiturn.py`` measures the whole application (HTTP, Serve
 hops, the data plane, Redis); this measures what the engine itself gains from a stored
@@ -23,6 +23,10 @@ decision are measured rather than chosen; ``auto`` should track the faster of ``
 and ``l1`` turn by turn (it imports now and then to re-measure). The report gives the
 engine's measured prefill speed and import rates, what the decision compares. Greedy outputs of ``import`` and ``l1`` are compared with
 ``recompute`` token for token (fp32: equal; bf16/fp16: reported, not required).
+
+On a CPU the engines' KV buffers come from a KV arena as a deployed worker's do
+(``engine.kv_arena_bytes``, the config's default; ``--kv-arena-bytes 0``: malloc, whose
+fresh pages fault on first write and on some days cost more than the import itself).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ async def run(args) -> dict:
     import torch
 
     from app.model_builder import ensure_model
+    from deployments.compute.engines import kv_arena
     from deployments.compute.engines.torch_engine import TorchEngine
     from tests.fixtures.kv import DictKVConnector
 
@@ -78,7 +83,7 @@ async def run(args) -> dict:
     _say(f"model: preset {args.preset} at {model_dir} (built if missing)")
     model_path = ensure_model(model_dir, args.preset, quiet=False)
     common = dict(max_num_seqs=4, dtype=args.dtype, num_threads=args.num_threads, model_id=f"bench-{args.preset}",
-                  block_size=args.block_size, device=args.device)
+                  block_size=args.block_size, device=args.device, kv_arena_bytes=args.kv_arena_bytes)
     stores = {m: DictKVConnector(args.block_size) for m in ("import", "l1", "auto")}
     engines = {
         "recompute": TorchEngine(str(model_path), **common),
@@ -87,6 +92,12 @@ async def run(args) -> dict:
                           prefix_cache_bytes=args.l1_bytes, **common),
         "auto": TorchEngine(str(model_path), kv_connector=stores["auto"], prefix_cache_bytes=args.l1_bytes, **common),
     }
+    # KV buffers from an arena, as a deployed worker's (engine.kv_arena_bytes): the four
+    # engines share this process's one arena, so it gets room for each (on a CPU; else 0).
+    arena_bytes = sum(e.kv_arena_bytes for e in engines.values())
+    if arena_bytes:
+        kv_arena.install(arena_bytes, background=False)
+        _say(f"KV arena: {arena_bytes >> 20} MiB for the {len(engines)} engines")
     for e in engines.values():
         await e.start()
     device = str(engines["recompute"].device)
@@ -154,10 +165,18 @@ async def run(args) -> dict:
         "prefill_fixed_seconds_by_mode": prefill_fixed_by_mode,
         "import_bytes_per_s": import_rates,
         "kv_stats": {m: dataclasses.asdict(s) for m, s in stats.items()},
+        # The process's one arena (the engines share it): buffers it had no room for
+        # came from malloc, and may have faulted.
+        "kv_arena": {
+            "capacity_bytes": stats["recompute"].arena_capacity_bytes,
+            "fallbacks": stats["recompute"].arena_fallbacks,
+        },
     }
 
 
 def main(argv=None) -> int:
+    from app.config import EngineConfig
+
     p = argparse.ArgumentParser(prog="python -m loadtests.engine_kv")
     p.add_argument("--preset", default="small")
     p.add_argument("--model-dir", default=None)
@@ -170,6 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--l1-bytes", type=int, default=4 << 30)
+    p.add_argument(
+        "--kv-arena-bytes", type=int, default=EngineConfig().kv_arena_bytes,
+        help="engine.kv_arena_bytes of each engine (default: the config's); 0: KV buffers from malloc",
+    )
     p.add_argument("--out", default="loadtests/results/engine_kv.json")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
@@ -181,7 +204,7 @@ def main(argv=None) -> int:
         print(f"{t + 1:>4}  " + "".join(f"{report['tpot_ms_by_turn'][m][t]:>12.2f}" for m in MODES))
     print(json.dumps({k: report[k] for k in ("device_name", "dtype", "ratios", "replies_differing_from_recompute",
                                              "prefill_tokens_per_s", "prefill_tokens_per_s_by_mode",
-                                             "prefill_fixed_seconds_by_mode", "import_bytes_per_s")}, indent=2))
+                                             "prefill_fixed_seconds_by_mode", "import_bytes_per_s", "kv_arena")}, indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), **report})}")
     return 0
 

@@ -50,6 +50,13 @@ def minor_faults() -> int:
     return resource.getrusage(_RUSAGE_WHO).ru_minflt
 
 
+def process_minor_faults() -> int:
+    """Minor page faults of the whole process so far: a forward pass's pages are also
+    first written by the intra-op (OpenMP) threads, which the calling thread's count
+    misses. Other threads' faults in the same span count too."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def heap_keeps_freed_memory(max_bytes: int, env=os.environ) -> bool:
     """Whether this process's glibc settings keep ``max_bytes`` freed in the one heap all
     threads allocate from (else a prefault would be handed back, or serve one thread)."""

@@ -75,10 +75,13 @@ def app_args(
     direct_l3_reads: bool = True,
     model_impl: str = "auto",
     kv_arena_bytes: Optional[int] = None,
+    warmup_prefill_tokens: Optional[int] = None,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8, "model_impl": model_impl}
     if kv_arena_bytes is not None:
         engine["kv_arena_bytes"] = kv_arena_bytes
+    if warmup_prefill_tokens is not None:
+        engine["warmup_prefill_tokens"] = warmup_prefill_tokens
     if not l1:
         engine["prefix_cache_bytes"] = 0
     return {
@@ -207,6 +210,10 @@ def main(argv=None) -> int:
         "--kv-arena-bytes", type=int, default=None,
         help="engine.kv_arena_bytes of the torch worker (default: the config's; 0 turns the KV arena off)",
     )
+    p.add_argument(
+        "--warmup-prefill-tokens", type=int, default=None,
+        help="engine.warmup_prefill_tokens of the torch worker (default: the config's; 0: no long warm-up prefill)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -247,7 +254,7 @@ def main(argv=None) -> int:
                     build_app(app_args(
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
                         args.prefault_heap_bytes, args.log_level, args.with_worker, direct, args.model_impl,
-                        kv_arena_bytes=args.kv_arena_bytes,
+                        kv_arena_bytes=args.kv_arena_bytes, warmup_prefill_tokens=args.warmup_prefill_tokens,
                     )),
                     name="bench",
                     route_prefix="/",

@@ -242,3 +242,52 @@ def test_cpu_nice_out_of_range_is_rejected(tiny_model_path):
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="cpu_nice"):
             TorchEngine(str(tiny_model_path), cpu_nice=bad)
+
+
+@pytest.mark.asyncio
+async def test_warmup_prefill_runs_on_the_loop_thread_before_start_returns(tiny_model_path, monkeypatch, caplog):
+    """``warmup_prefill_tokens``: after the short warm-up, one prefill that long (capped
+    below the context), on the loop thread that serves requests (the allocator's memory it
+    grows is that thread's), before ``start()`` returns; and a DEBUG line per prefill
+    with its page faults."""
+    calls = []
+    original = TorchEngine._warm_prefill
+
+    def spy(self, n, *, decode):
+        calls.append((n, decode, threading.get_ident()))
+        return original(self, n, decode=decode)
+
+    monkeypatch.setattr(TorchEngine, "_warm_prefill", spy)
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=1, device="cpu", warmup_prefill_tokens=1 << 20)
+    assert eng.warmup_prefill_tokens == eng.max_model_len - 1
+    caplog.set_level("DEBUG", logger="ray.serve")
+    await eng.start()
+    try:
+        assert [(n, d) for n, d, _ in calls] == [(32, True), (eng.max_model_len - 1, False)]
+        assert {t for _, _, t in calls} == {eng._thread.ident}
+        assert f"warm-up prefill of {eng.max_model_len - 1} tokens" in caplog.text
+        await collect(eng, make_request("w", encode(eng, PROMPTS[0]), max_tokens=2))
+        assert "prefill: requests=w rows=1 " in caplog.text and " faults=" in caplog.text
+    finally:
+        await eng.shutdown()
+
+    calls.clear()
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=1, device="cpu", warmup_prefill_tokens=0)
+    await eng.start()
+    await eng.shutdown()
+    assert [(n, d) for n, d, _ in calls] == [(32, True)]
+    with pytest.raises(ValueError, match="warmup_prefill_tokens"):
+        TorchEngine(str(tiny_model_path), warmup_prefill_tokens=-1)
+
+
+def test_the_config_sets_the_warmup_prefill_unless_warmup_is_off(tiny_model_path):
+    from app.config import AppConfig
+    from deployments.compute.engines import create_engine
+
+    def built(engine: dict) -> TorchEngine:
+        cfg = AppConfig.model_validate({"model": {"path": str(tiny_model_path)}, "engine": {"device": "cpu", **engine}})
+        return create_engine(cfg)
+
+    assert built({}).warmup_prefill_tokens == 2047  # the default 2048, below the tiny model's 2048 context
+    assert built({"warmup_prefill_tokens": 512}).warmup_prefill_tokens == 512
+    assert built({"warmup_prefill_tokens": 512, "warmup": False}).warmup_prefill_tokens == 0

@@ -43,7 +43,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import torch
 
-from app.host_memory import minor_faults
+from app.host_memory import minor_faults, process_minor_faults
 from deployments.compute.engines import kv_arena, llama
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
 from deployments.compute.engines.kv import (
@@ -218,6 +218,7 @@ class TorchEngine(Engine):
         model_impl: str = "auto",
         cpu_nice: int = 0,
         kv_arena_bytes: int = 0,
+        warmup_prefill_tokens: int = 0,
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -229,6 +230,8 @@ class TorchEngine(Engine):
             raise ValueError(f"cpu_nice must be in [0, 19], got {cpu_nice}")
         if kv_arena_bytes < 0:
             raise ValueError(f"kv_arena_bytes must be >= 0, got {kv_arena_bytes}")
+        if warmup_prefill_tokens < 0:
+            raise ValueError(f"warmup_prefill_tokens must be >= 0, got {warmup_prefill_tokens}")
         connector_block_size = getattr(kv_connector, "block_size", None)
         if connector_block_size is not None and connector_block_size != block_size:
             raise ValueError(
@@ -296,6 +299,10 @@ class TorchEngine(Engine):
         if self.device.type == "cpu" and kv_arena_bytes > 0:
             most = self.max_num_seqs * (self.max_model_len * 5 // 4) * self._kv_token_bytes()
             self.kv_arena_bytes = min(int(kv_arena_bytes), most)
+        # The long prefill of the warm-up (_warm_kernels), within the context (0: none).
+        self.warmup_prefill_tokens = min(int(warmup_prefill_tokens), self.max_model_len - 1)
+        if self.warmup_prefill_tokens <= WARM_UP_TOKENS:
+            self.warmup_prefill_tokens = 0
         # L1 (engines/prefix_cache.py): recent blocks in this process, in front of the
         # connector; part of KV reuse, so only with a connector.
         self._l1 = None
@@ -768,8 +775,29 @@ class TorchEngine(Engine):
         primitives, the allocator's first growth; on the small model a 32-token prefill took
         64 ms cold and 16 ms warm). The first request should not pay them, and the prefill
         time model (``_account_prefill``) must not learn them: one slow short prefill makes
-        its least-squares fit 0 s per token (see ``forget_measurements``)."""
-        n = WARM_UP_TOKENS
+        its least-squares fit 0 s per token (see ``forget_measurements``).
+
+        Then, with ``warmup_prefill_tokens``, one prefill that long. A prefill longer than
+        any before it grows the allocator's memory (malloc's heap on a CPU, with
+        ``serve_runtime.keep_freed_memory`` kept once grown; CUDA's caching allocator), and
+        on a CPU every new page faults on first write: on the small model 4-9k faults for
+        each longer prompt, and none for a prompt no longer than one before. Without this,
+        a worker's first long prompts pay that (3-140 µs a fault on the VMs here); with it,
+        the start does, once. vLLM's engine runs a profiling forward pass at start for the
+        same reason."""
+        self._warm_prefill(WARM_UP_TOKENS, decode=True)
+        if self.warmup_prefill_tokens:
+            faults, started = process_minor_faults(), time.perf_counter()
+            self._warm_prefill(self.warmup_prefill_tokens, decode=False)
+            logger.info(
+                "torch engine: warm-up prefill of %d tokens in %.0f ms (%d page faults): "
+                "prompts up to that long find the allocator's memory grown",
+                self.warmup_prefill_tokens,
+                1000 * (time.perf_counter() - started),
+                process_minor_faults() - faults,
+            )
+
+    def _warm_prefill(self, n: int, *, decode: bool) -> None:
         ids = (torch.arange(n, device=self.device) % self.config.vocab_size).unsqueeze(0)
         cache = growable_cache(self._kv_block_shape[0], hf=self._hf_cache)
         logits = self.model(
@@ -780,6 +808,9 @@ class TorchEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+        if not decode:
+            logits.float().cpu()  # waits for the device
+            return
         self.model(
             input_ids=logits.argmax(-1, keepdim=True),
             attention_mask=torch.ones((1, n + 1), dtype=torch.long, device=self.device),
@@ -868,6 +899,7 @@ class TorchEngine(Engine):
             mask[i, width - lengths[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = growable_cache(self._kv_block_shape[0], hf=self._hf_cache)
+        faults = process_minor_faults() if logger.isEnabledFor(logging.DEBUG) else None
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.to(self.device),
@@ -878,7 +910,10 @@ class TorchEngine(Engine):
             logits_to_keep=1,
         ).logits[:, -1]
         self._sample_into(reqs, logits, "prefill")  # syncs (logits go to the CPU)
-        self._account_prefill(sum(lengths), 0, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._account_prefill(sum(lengths), 0, seconds)
+        if faults is not None:
+            _log_prefill(reqs, width, 0, seconds, process_minor_faults() - faults)
         return _Batch(reqs=list(reqs), cache=cache, mask=mask.to(self.device))
 
     def _prefill_with_prefix(self, req: _Request) -> _Batch:
@@ -895,6 +930,7 @@ class TorchEngine(Engine):
         input_ids = torch.tensor([prompt[num_prefix:]], dtype=torch.long, device=self.device)
         mask = torch.ones((1, num_prompt), dtype=torch.long, device=self.device)
         positions = torch.arange(num_prefix, num_prompt, device=self.device).unsqueeze(0)
+        faults = process_minor_faults() if logger.isEnabledFor(logging.DEBUG) else None
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids,
@@ -906,7 +942,10 @@ class TorchEngine(Engine):
         ).logits[:, -1]
         self._sample_into([req], logits, "prefill")
         req.num_imported_tokens = num_prefix
-        self._account_prefill(num_prompt - num_prefix, num_prefix, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._account_prefill(num_prompt - num_prefix, num_prefix, seconds)
+        if faults is not None:
+            _log_prefill([req], num_prompt - num_prefix, num_prefix, seconds, process_minor_faults() - faults)
         return _Batch(reqs=[req], cache=cache, mask=mask)
 
     def _account_prefill(self, computed: int, imported: int, seconds: float) -> None:
@@ -1063,6 +1102,15 @@ class TorchEngine(Engine):
             return True
         except RuntimeError:  # loop closed
             return False
+
+
+def _log_prefill(reqs: list[_Request], width: int, imported: int, seconds: float, faults: int) -> None:
+    """DEBUG: one prefill's time and the page faults the process took meanwhile (mostly
+    the forward pass's, see ``process_minor_faults``)."""
+    logger.debug(
+        "prefill: requests=%s rows=%d width=%d imported=%d ms=%.1f faults=%d",
+        ",".join(r.seq.request_id for r in reqs), len(reqs), width, imported, 1000 * seconds, faults,
+    )
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:

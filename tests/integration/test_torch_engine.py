@@ -288,6 +288,7 @@ def test_the_config_sets_the_warmup_prefill_unless_warmup_is_off(tiny_model_path
         cfg = AppConfig.model_validate({"model": {"path": str(tiny_model_path)}, "engine": {"device": "cpu", **engine}})
         return create_engine(cfg)
 
-    assert built({}).warmup_prefill_tokens == 2047  # the default 2048, below the tiny model's 2048 context
+    assert built({}).warmup_prefill_tokens == 0  # off by default
+    assert built({"warmup_prefill_tokens": 4096}).warmup_prefill_tokens == 2047  # below the tiny model's context
     assert built({"warmup_prefill_tokens": 512}).warmup_prefill_tokens == 512
     assert built({"warmup_prefill_tokens": 512, "warmup": False}).warmup_prefill_tokens == 0

@@ -777,14 +777,16 @@ class TorchEngine(Engine):
         time model (``_account_prefill``) must not learn them: one slow short prefill makes
         its least-squares fit 0 s per token (see ``forget_measurements``).
 
-        Then, with ``warmup_prefill_tokens``, one prefill that long. A prefill longer than
-        any before it grows the allocator's memory (malloc's heap on a CPU, with
-        ``serve_runtime.keep_freed_memory`` kept once grown; CUDA's caching allocator), and
-        on a CPU every new page faults on first write: on the small model 4-9k faults for
-        each longer prompt, and none for a prompt no longer than one before. Without this,
-        a worker's first long prompts pay that (3-140 µs a fault on the VMs here); with it,
-        the start does, once. vLLM's engine runs a profiling forward pass at start for the
-        same reason."""
+        Then, with ``warmup_prefill_tokens`` (off by default), one prefill that long. A
+        prefill longer than any before it grows the allocator's memory (malloc's heap on a
+        CPU, kept once grown with ``serve_runtime.keep_freed_memory``; CUDA's caching
+        allocator), and on a CPU every new page faults on first write (3-140 µs each on
+        the VMs here): on the small model 4-9k faults for each longer prompt in one
+        process, none for a prompt no longer than one before. In a replica a 2048-token
+        warm-up cut a growing conversation's prefill faults to a third or a half, not to
+        none (what runs between prefills fragments the heap), at 2-2.8 s of start
+        (loadtests/README.md, "A long warm-up prefill"). vLLM's engine runs a profiling
+        forward pass at start for a like reason."""
         self._warm_prefill(WARM_UP_TOKENS, decode=True)
         if self.warmup_prefill_tokens:
             faults, started = process_minor_faults(), time.perf_counter()

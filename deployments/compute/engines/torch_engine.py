@@ -792,8 +792,8 @@ class TorchEngine(Engine):
             faults, started = process_minor_faults(), time.perf_counter()
             self._warm_prefill(self.warmup_prefill_tokens, decode=False)
             logger.info(
-                "torch engine: warm-up prefill of %d tokens in %.0f ms (%d page faults): "
-                "prompts up to that long find the allocator's memory grown",
+                "torch engine: warm-up prefill of %d tokens in %.0f ms (%d page faults in "
+                "the process meanwhile): the allocator's memory grew for it at start",
                 self.warmup_prefill_tokens,
                 1000 * (time.perf_counter() - started),
                 process_minor_faults() - faults,

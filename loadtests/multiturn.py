@@ -9,7 +9,8 @@ context grows to about turns × (turn + reply) tokens. The defaults (25 words �
 with the template, 180-token replies) give a chat's shape, short questions and longer
 answers, and ~2.1k tokens by turn 8; ``--turn-words 65 --reply-tokens 32`` is the
 question-heavy shape (most of each turn is new prompt, so reuse can save less). Each
-deployment first runs six unmeasured two-turn conversations. Modes, alternated per round so that
+deployment first runs six unmeasured two-turn conversations, then one unmeasured
+conversation of the measured shape (``--cold``: not that one; see below). Modes, alternated per round so that
 drift on a shared machine hits them alike:
 
 * ``l1``: KV reuse on with the worker's own prefix cache (``engine.prefix_cache_bytes``,
@@ -24,7 +25,13 @@ drift on a shared machine hits them alike:
   whole context.
 
 Turn 1 has nothing to reuse in any mode: its TTFT with reuse on versus off is the cost of a
-miss (lookup + export). Starts its own Redis and Ray; needs the `redis-server` binary.
+miss (lookup + export).
+
+The full-length warm-up conversation is there because each round deploys fresh worker
+processes: their first prompts longer than any before grow malloc's heap, and every new
+page faults on first write. Recompute's prefills are the long ones, so without it the
+measured recompute turns carried a start-up cost (46k faults over 8 turns on the small
+model) that a server in steady state does not pay, and the reuse ratios came out higher. Starts its own Redis and Ray; needs the `redis-server` binary.
 ``--kv-redis cache`` (the default) keeps the KV blocks on a cache redis-server of their own
 (no persistence, maxmemory, allkeys-lru) and sessions on an AOF one, as
 ``serve_config.yaml`` deploys them; ``shared`` puts both on the AOF server.
@@ -214,6 +221,11 @@ def main(argv=None) -> int:
         "--warmup-prefill-tokens", type=int, default=None,
         help="engine.warmup_prefill_tokens of the torch worker (default: the config's; 0: no long warm-up prefill)",
     )
+    p.add_argument(
+        "--cold", action="store_true",
+        help="no unmeasured full-length conversation before the measured ones (each mode's first long "
+        "prompts then grow a fresh worker's memory while measured)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -270,6 +282,16 @@ def main(argv=None) -> int:
                 warm = argparse.Namespace(**{**vars(args), "turns": 2, "think_s": 0, "reply_tokens": 16})
                 for w in range(WARMUP_CONVERSATIONS):
                     conversation(base_url, "warmup", warm, 7 + 100 * rnd + w, "bench")
+                if not args.cold:
+                    # Then one unmeasured conversation of the measured shape: a fresh
+                    # worker's first prompts longer than any before grow its heap, and
+                    # each new page faults (46k faults over recompute's 8 turns on the
+                    # small model, 3-140 µs each on the VMs here), which a server that
+                    # has run a while has paid long ago. Measuring it would charge
+                    # recompute (whose prefills are long) a start-up cost that reuse
+                    # (short suffixes) does not pay. ``--cold`` leaves it out.
+                    full = argparse.Namespace(**{**vars(args), "think_s": 0})
+                    conversation(base_url, "warmup-full", full, 9 + 100 * rnd, "bench")
                 for mode in modes:
                     # Distinct text per mode and round: one mode must not hit another's blocks.
                     seed = 1000 * rnd + 100 * list(runs).index(mode) + len(runs[mode])

@@ -348,6 +348,42 @@ async def test_recomputing_a_slow_tier_still_re_measures_it_now_and_then(engine,
 
 
 @pytest.mark.asyncio
+async def test_one_stalled_import_costs_one_skip_not_a_run_of_them(engine, store, monkeypatch):
+    """An import that stalled (here its decode sleeps 1 s once; in loadtests.multiturn one
+    decode took 835 ms) sets the tier's figure on its own. The next stored prefix is
+    recomputed (one skip, as the figure rests on one import), the one after is imported
+    to re-measure, and that fast import replaces the figure instead of being averaged
+    with the stall (which kept L2 recomputed for six turns of a conversation)."""
+    import time as _time
+
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("prime-stall", ids))
+    store.bandwidth = 1e12
+    decode, stalls = engine._decode_prefix, [1.0]
+
+    def stalled_once(*args, **kwargs):
+        if stalls:
+            _time.sleep(stalls.pop())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode_prefix", stalled_once)
+    before = engine.kv_stats()
+    tokens = await collect(engine, make_request("stalled", ids))
+    stalled = engine.kv_stats()
+    assert stalled.prefix_hit_tokens > before.prefix_hit_tokens and not stalls
+    stalled_figure = engine.import_bytes_per_s("L2")
+    assert await collect(engine, make_request("skipped-after-stall", ids)) == tokens
+    skipped = engine.kv_stats()
+    assert skipped.fetch_skipped == stalled.fetch_skipped + 1
+    assert skipped.prefix_hit_tokens == stalled.prefix_hit_tokens
+    assert await collect(engine, make_request("re-measured", ids)) == tokens
+    after = engine.kv_stats()
+    assert after.prefix_hit_tokens > skipped.prefix_hit_tokens and after.fetch_skipped == skipped.fetch_skipped
+    assert after.import_rate_resets == skipped.import_rate_resets + 1
+    assert engine.import_bytes_per_s("L2") > 4 * stalled_figure
+
+
+@pytest.mark.asyncio
 async def test_a_cold_warm_up_is_forgotten_and_stored_prefixes_are_imported_again(engine, store, monkeypatch):
     """The worker's warm-up generation runs while the application's other replicas start:
     its short prefill was measured at 0.84 s there. With that sample least squares fits

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from deployments.compute.engines.kv import PrefillTimeModel, PrefixHit, should_fetch
+from deployments.compute.engines.kv import PrefillTimeModel, PrefixHit, Rate, should_fetch
 from deployments.compute.engines.kv_codec import (
     CorruptBlockError,
     block_shape,
@@ -161,6 +161,29 @@ def test_block_shape_from_config():
     explicit = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                                      head_dim=64, hidden_size=128)
     assert block_shape(explicit, 8) == (2, 2, 2, 8, 64)
+
+
+# ---------------------------------------------------------------- Rate
+
+
+def test_a_rate_restarts_from_a_sample_far_faster_than_it_and_averages_slow_ones():
+    """One stalled import (1.8 MB in 835 ms, seen in loadtests.multiturn) must not hold the
+    figure down for ~10 samples: a sample over 4x faster than the figure replaces it; one
+    that is not, or a slow one, is averaged in as before."""
+    r = Rate()
+    r.update(1.8e6, 0.835)
+    assert r.value == pytest.approx(1.8e6 / 0.835) and r.samples == 1
+    r.update(1.8e6, 0.6)  # faster, but not 4x: averaged (ratio of the moving averages)
+    assert r.resets == 0 and r.samples == 2
+    assert r.value == pytest.approx(1.8e6 / (0.7 * 0.835 + 0.3 * 0.6))
+    r.update(22e6, 0.005)  # 4.4 GB/s against ~2.4 MB/s
+    assert r.resets == 1 and r.samples == 1 and r.value == pytest.approx(22e6 / 0.005)
+    r.update(22e6, 0.5)  # a stall now: averaged in, no reset, and the figure falls
+    assert r.resets == 1 and r.samples == 2
+    assert 22e6 / 0.5 < r.value < 22e6 / 0.005
+    r.update(0, 1.0)  # nothing measured: ignored
+    r.update(1.0, 0)
+    assert r.samples == 2
 
 
 # ---------------------------------------------------------------- should_fetch

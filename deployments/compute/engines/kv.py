@@ -196,16 +196,33 @@ class Rate:
     """A measured rate (amount per second) as the ratio of moving averages of the amounts
     and of the seconds they took. A ratio of averages weighs big transfers as they
     deserve: an average of per-transfer ratios lets small ones (mostly fixed per-call
-    cost) drag the figure down."""
+    cost) drag the figure down.
 
-    def __init__(self, alpha: float = 0.3):
+    A sample more than ``reset_factor`` times faster than the current figure replaces
+    it rather than being averaged in. A slow sample may be a stall that says nothing
+    about the tier: a thread preempted, page faults, a lock held by another thread. In
+    ``loadtests.multiturn`` one decode of 1.8 MB took 835 ms instead of ~1 ms, and with
+    that sample averaged in, later imports of the tier were predicted too slow for ~10
+    samples, so fetches were skipped and prefixes recomputed. A fast sample cannot come
+    from a stall, so it is evidence the figure is stale."""
+
+    def __init__(self, alpha: float = 0.3, reset_factor: float = 4.0):
         self._amount = Ewma(alpha)
         self._seconds = Ewma(alpha)
+        self.reset_factor = reset_factor
+        self.samples = 0  # since the last reset
+        self.resets = 0
 
     def update(self, amount: float, seconds: float) -> None:
         if amount > 0 and seconds > 0:
+            current = self.value
+            if current is not None and amount / seconds > self.reset_factor * current:
+                self._amount.value = self._seconds.value = None
+                self.samples = 0
+                self.resets += 1
             self._amount.update(amount)
             self._seconds.update(seconds)
+            self.samples += 1
 
     @property
     def value(self) -> Optional[float]:

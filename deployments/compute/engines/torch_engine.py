@@ -109,6 +109,9 @@ class KVStats:
     prefilled_tokens: int = 0
     # A hit that was not fetched because recomputing was measured to be faster.
     fetch_skipped: int = 0
+    # Imports far faster than a tier's measured figure, which then restarted from them
+    # (engines/kv.py:Rate: the figure had been set by a stalled import).
+    import_rate_resets: int = 0
     # Data-plane lookups not made: the router's root index said no stored chain starts
     # with the prompt's first block (GenerationRequest.kv_lookup_skip).
     lookups_skipped: int = 0
@@ -419,6 +422,7 @@ class TorchEngine(Engine):
             blocks_imported=s.blocks_imported,
             prefilled_tokens=s.prefilled_tokens,
             fetch_skipped=s.fetch_skipped,
+            import_rate_resets=s.import_rate_resets,
             lookups_skipped=s.lookups_skipped,
             fetch_failures=s.fetch_failures,
             blocks_exported=s.blocks_exported,
@@ -592,8 +596,11 @@ class TorchEngine(Engine):
         """Whether to import ``num_blocks`` stored blocks from ``tier`` rather than prefill
         them: :func:`should_fetch` with this engine's measured import rate of the tier
         (load, decode and copy to the device; before the first import, the store's
-        transport figure). Recomputing is not forever: every ``_EXPLORE_EVERY_SKIPS``-th
-        skip imports anyway to re-measure, since only an import can update the figure."""
+        transport figure). Recomputing is not forever: after ``_EXPLORE_EVERY_SKIPS``
+        skips in a row it imports anyway to re-measure, since only an import can update the
+        figure; sooner while the figure rests on fewer imports than that (after one import,
+        after one skip). An import far faster than the figure replaces it (``Rate``), so one
+        stalled import costs a skip or two, not a run of them."""
         if self.always_fetch:
             return True
         fetch = should_fetch(
@@ -602,7 +609,10 @@ class TorchEngine(Engine):
             recompute_seconds=self._prefill_time.marginal_seconds(num_blocks * self.block_size),
         )
         skips = self._skips_since_fetch.get(tier, 0)
-        if not fetch and skips < _EXPLORE_EVERY_SKIPS:
+        # A figure from few imports is checked again sooner: after one import, one skip.
+        rate = self._import_rate.get(tier)
+        explore_after = min(_EXPLORE_EVERY_SKIPS, rate.samples) if rate is not None else _EXPLORE_EVERY_SKIPS
+        if not fetch and skips < explore_after:
             self._skips_since_fetch[tier] = skips + 1
             self._kv_stats.fetch_skipped += 1
             return False
@@ -610,7 +620,16 @@ class TorchEngine(Engine):
         return True
 
     def _record_import(self, tier: str, num_bytes: int, seconds: float) -> None:
-        self._import_rate.setdefault(tier, Rate()).update(num_bytes, seconds)
+        rate = self._import_rate.setdefault(tier, Rate())
+        figure, resets = rate.value, rate.resets
+        rate.update(num_bytes, seconds)
+        if rate.resets != resets:
+            self._kv_stats.import_rate_resets += 1
+            logger.info(
+                "kv import figure of %s restarted: an import ran at %.3f GB/s against the figure's %.3f GB/s "
+                "(set by a stalled import; fetches it would have skipped are worth it)",
+                tier, num_bytes / seconds / 1e9, figure / 1e9,
+            )
 
     def import_bytes_per_s(self, tier: str) -> Optional[float]:
         """Measured speed of importing a prefix from ``tier`` (load + decode + copy to the

@@ -179,7 +179,7 @@ class ComputeWorker:
                 ("prefix_hit_tokens", "Prompt tokens whose KV came from the data plane."),
                 ("prefilled_tokens", "Prompt tokens computed by prefill."),
                 ("fetch_skipped", "Stored prefixes recomputed because that was measured faster."),
-                ("import_rate_resets", "Imports far faster than the tier's measured import speed, which then restarted from them (it had been set by a stalled import)."),
+                ("import_rate_resets", "Imports over 4x faster than the tier's measured import speed, which then restarted from them (a stalled import, or smaller ones, had set it)."),
                 ("lookups_skipped", "Data-plane lookups not made: no stored chain starts with the prompt's first block (the router's root index)."),
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),

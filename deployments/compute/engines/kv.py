@@ -204,7 +204,10 @@ class Rate:
     ``loadtests.multiturn`` one decode of 1.8 MB took 835 ms instead of ~1 ms, and with
     that sample averaged in, later imports of the tier were predicted too slow for ~10
     samples, so fetches were skipped and prefixes recomputed. A fast sample cannot come
-    from a stall, so it is evidence the figure is stale."""
+    from a stall, so it is evidence the figure is stale. It also restarts when a large
+    import follows small ones whose fixed cost held the figure down; the figure then
+    leans optimistic for small prefixes, where importing and recomputing both cost
+    little."""
 
     def __init__(self, alpha: float = 0.3, reset_factor: float = 4.0):
         self._amount = Ewma(alpha)

@@ -603,14 +603,14 @@ class TorchEngine(Engine):
         stalled import costs a skip or two, not a run of them."""
         if self.always_fetch:
             return True
+        rate = self._import_rate.get(tier)
         fetch = should_fetch(
             PrefixHit(num_blocks, tier, num_bytes),
-            bandwidth_bytes_per_s=self.import_bytes_per_s(tier) or transport_bytes_per_s,
+            bandwidth_bytes_per_s=(rate.value if rate is not None else None) or transport_bytes_per_s,
             recompute_seconds=self._prefill_time.marginal_seconds(num_blocks * self.block_size),
         )
         skips = self._skips_since_fetch.get(tier, 0)
         # A figure from few imports is checked again sooner: after one import, one skip.
-        rate = self._import_rate.get(tier)
         explore_after = min(_EXPLORE_EVERY_SKIPS, rate.samples) if rate is not None else _EXPLORE_EVERY_SKIPS
         if not fetch and skips < explore_after:
             self._skips_since_fetch[tier] = skips + 1
@@ -923,7 +923,7 @@ class TorchEngine(Engine):
             mask[i, width - lengths[i] :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = growable_cache(self._kv_block_shape[0], hf=self._hf_cache)
-        faults = process_minor_faults() if logger.isEnabledFor(logging.DEBUG) else None
+        faults = _faults_if_debug()
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids.to(self.device),
@@ -934,10 +934,7 @@ class TorchEngine(Engine):
             logits_to_keep=1,
         ).logits[:, -1]
         self._sample_into(reqs, logits, "prefill")  # syncs (logits go to the CPU)
-        seconds = time.perf_counter() - started
-        self._account_prefill(sum(lengths), 0, seconds)
-        if faults is not None:
-            _log_prefill(reqs, width, 0, seconds, process_minor_faults() - faults)
+        self._account_prefill(reqs, width, sum(lengths), 0, started, faults)
         return _Batch(reqs=list(reqs), cache=cache, mask=mask.to(self.device))
 
     def _prefill_with_prefix(self, req: _Request) -> _Batch:
@@ -954,7 +951,7 @@ class TorchEngine(Engine):
         input_ids = torch.tensor([prompt[num_prefix:]], dtype=torch.long, device=self.device)
         mask = torch.ones((1, num_prompt), dtype=torch.long, device=self.device)
         positions = torch.arange(num_prefix, num_prompt, device=self.device).unsqueeze(0)
-        faults = process_minor_faults() if logger.isEnabledFor(logging.DEBUG) else None
+        faults = _faults_if_debug()
         started = time.perf_counter()
         logits = self.model(
             input_ids=input_ids,
@@ -966,13 +963,22 @@ class TorchEngine(Engine):
         ).logits[:, -1]
         self._sample_into([req], logits, "prefill")
         req.num_imported_tokens = num_prefix
-        seconds = time.perf_counter() - started
-        self._account_prefill(num_prompt - num_prefix, num_prefix, seconds)
-        if faults is not None:
-            _log_prefill([req], num_prompt - num_prefix, num_prefix, seconds, process_minor_faults() - faults)
+        self._account_prefill([req], num_prompt - num_prefix, num_prompt - num_prefix, num_prefix, started, faults)
         return _Batch(reqs=[req], cache=cache, mask=mask)
 
-    def _account_prefill(self, computed: int, imported: int, seconds: float) -> None:
+    def _account_prefill(
+        self, reqs: list[_Request], width: int, computed: int, imported: int, started: float, faults: Optional[int]
+    ) -> None:
+        """Count a prefill that began at ``started`` and feed its time to the prefill time
+        model; at DEBUG (``faults``: :func:`_faults_if_debug` at its start) log its time
+        and the page faults the process took meanwhile (mostly the forward pass's)."""
+        seconds = time.perf_counter() - started
+        if faults is not None:
+            logger.debug(
+                "prefill: requests=%s rows=%d width=%d imported=%d ms=%.1f faults=%d",
+                ",".join(r.seq.request_id for r in reqs), len(reqs), width, imported, 1000 * seconds,
+                process_minor_faults() - faults,
+            )
         stats = self._kv_stats
         stats.prefilled_tokens += computed
         if imported:
@@ -1128,13 +1134,10 @@ class TorchEngine(Engine):
             return False
 
 
-def _log_prefill(reqs: list[_Request], width: int, imported: int, seconds: float, faults: int) -> None:
-    """DEBUG: one prefill's time and the page faults the process took meanwhile (mostly
-    the forward pass's, see ``process_minor_faults``)."""
-    logger.debug(
-        "prefill: requests=%s rows=%d width=%d imported=%d ms=%.1f faults=%d",
-        ",".join(r.seq.request_id for r in reqs), len(reqs), width, imported, 1000 * seconds, faults,
-    )
+def _faults_if_debug() -> Optional[int]:
+    """The process's page faults so far when DEBUG is on (for a prefill's DEBUG line),
+    else None without asking the kernel."""
+    return process_minor_faults() if logger.isEnabledFor(logging.DEBUG) else None
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:

@@ -477,6 +477,15 @@ class SessionConfig(_Strict):
         "worker only once the two agree (else it is built again from the store's copy). "
         "0: every turn waits for the read.",
     )
+    call_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="How long the ingress waits for the data plane's answer to one session "
+        "call (read, append, create, delete; milliseconds normally, and the data plane's "
+        "own Redis calls give up after redis.socket_timeout_s) before it cancels the call "
+        "and makes it again, once; then 503. Every session write is safe to repeat.",
+    )
 
 
 class DataPlaneConfig(_Strict):

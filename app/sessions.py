@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from app.config import SessionConfig
-from app.errors import ConflictError, InvalidRequestError, NotFoundError, _causes, replica_death_types
+from app.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    _causes,
+    replica_death_types,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -28,6 +35,9 @@ logger = logging.getLogger("ray.serve")
 # same call made again goes to the key's next owner on the hash ring, which reads the
 # session from Redis. Retried with a short backoff for at most this long.
 DEATH_RETRY_BUDGET_S = 10.0
+# An attempt with no answer in ``sessions.call_timeout_s`` is made again this many times
+# (then 503): a call must never hold a request until its deadline.
+TIMEOUT_RETRIES = 1
 
 SESSION_ID_RE = re.compile(r"^sess_[0-9a-f]{32}$")
 DEFAULT_TENANT = "default"
@@ -208,7 +218,10 @@ class SessionClient:
     """The ingress side of the sessions API over the DataPlane handle.
 
     Every call survives the death of the data-plane replica that takes it (see
-    ``DEATH_RETRY_BUDGET_S``). A call made again may find its first attempt applied (the
+    ``DEATH_RETRY_BUDGET_S``), and an attempt that gets no answer within
+    ``config.call_timeout_s`` is given up (cancelled) and made again, once: a call lost
+    on its way (a dying replica, a handle's routing) costs seconds, not the request's
+    whole deadline. A call made again may find its first attempt applied (the
     replica died after Redis took the write, before it answered), whether this client made
     it again or Ray Serve's router did (it re-sends a call whose replica died before the
     call's acceptance reached it, which can be after the call ran). So each write is safe
@@ -232,45 +245,84 @@ class SessionClient:
 
                 self._m_retries = metrics.Counter(
                     "llm_session_dataplane_retries",
-                    "Session calls made again because the data-plane replica died under them.",
-                    tag_keys=("op",),
+                    "Session calls made again: the data-plane replica died under them "
+                    "(reason=replica_died) or no answer came in sessions.call_timeout_s "
+                    "(reason=timeout).",
+                    tag_keys=("op", "reason"),
                 )
         except Exception:  # noqa: BLE001 - metrics are optional outside a Ray worker
             self._m_retries = None
 
     async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, **kwargs):
         """``self._dp.<op>.remote(*args, **kwargs)``, made again while the replica taking
-        it dies. ``retried``, if given, gets True appended when this client made the call
-        again (also when the call then fails)."""
+        it dies, and ``TIMEOUT_RETRIES`` times after an attempt that got no answer within
+        ``config.call_timeout_s`` (then 503). ``retried``, if given, gets True appended
+        when this client made the call again (also when the call then fails)."""
         deadline = time.monotonic() + DEATH_RETRY_BUDGET_S
-        attempt = 0
+        attempt = timeouts = 0
         while True:
+            bound = asyncio.timeout(self.config.call_timeout_s)
+            response = None
             try:
-                return await getattr(self._dp, op).remote(*args, **kwargs)
+                async with bound:
+                    response = getattr(self._dp, op).remote(*args, **kwargs)
+                    return await response
             except Exception as e:
-                if not replica_died(e) or time.monotonic() >= deadline:
+                if isinstance(e, TimeoutError) and bound.expired():
+                    _cancel(response)
+                    timeouts += 1
+                    if timeouts > TIMEOUT_RETRIES:
+                        self._on_give_up(op, sid, timeouts)
+                        raise ServiceUnavailableError(
+                            "The session store did not answer in time; retry shortly.",
+                            headers={"Retry-After": "1"},
+                        ) from None
+                    reason = "timeout"
+                elif replica_died(e) and time.monotonic() < deadline:
+                    reason = "replica_died"
+                else:
                     raise
                 attempt += 1
                 if retried is not None:
                     retried.append(True)
-                self._on_retry(op, sid, e, attempt)
+                self._on_retry(op, sid, e, attempt, reason)
             await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic())))
 
-    def _on_retry(self, op: str, session_id: str, error: BaseException, attempt: int) -> None:
+    def _on_retry(self, op: str, session_id: str, error: BaseException, attempt: int, reason: str) -> None:
         from opentelemetry import trace
 
-        logger.warning(
-            "session %s: the data-plane replica died under %s (%s); trying again (attempt %d)",
-            session_id,
-            op,
-            type(error).__name__,
-            attempt + 1,
-        )
+        if reason == "timeout":
+            logger.warning(
+                "session %s: no answer from the data plane to %s within %.1fs "
+                "(sessions.call_timeout_s); cancelled, trying again (attempt %d)",
+                session_id,
+                op,
+                self.config.call_timeout_s,
+                attempt + 1,
+            )
+        else:
+            logger.warning(
+                "session %s: the data-plane replica died under %s (%s); trying again (attempt %d)",
+                session_id,
+                op,
+                type(error).__name__,
+                attempt + 1,
+            )
         trace.get_current_span().add_event(
-            "session.dataplane_retry", {"op": op, "error": type(error).__name__, "attempt": attempt}
+            "session.dataplane_retry",
+            {"op": op, "reason": reason, "error": type(error).__name__, "attempt": attempt},
         )
         if self._m_retries is not None:
-            self._m_retries.inc(tags={"op": op})
+            self._m_retries.inc(tags={"op": op, "reason": reason})
+
+    def _on_give_up(self, op: str, session_id: str, attempts: int) -> None:
+        logger.error(
+            "session %s: no answer from the data plane to %s in %d attempts of %.1fs; answering 503",
+            session_id,
+            op,
+            attempts,
+            self.config.call_timeout_s,
+        )
 
     def cached(self, session_id: str):
         """The last record of this session this client read or wrote, if it still holds
@@ -349,6 +401,17 @@ class SessionClient:
         if not deleted and not retried:
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
         return True
+
+
+def _cancel(response) -> None:
+    """Cancel a data-plane call that was given up (best effort: a Serve call not yet sent
+    leaves its router's queue; one running finishes, its answer unread)."""
+    cancel = getattr(response, "cancel", None)
+    if cancel is not None:
+        try:
+            cancel()
+        except Exception as e:  # noqa: BLE001 - only a clean-up
+            logger.debug("cancelling a given-up session call failed: %r", e)
 
 
 def session_json(record) -> dict:

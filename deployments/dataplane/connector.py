@@ -160,7 +160,7 @@ class DataPlaneKVConnector(KVConnector):
                     "lookup_prefix", tenant, hashes, shard_key=hashes[0], with_refs=True, direct_l3=self.direct_l3_reads
                 )
             except Exception as e:
-                logger.warning("KV lookup failed, treating as a miss: %s", e)
+                logger.warning("KV lookup failed, treating as a miss: %r", e)
                 return PrefixHit(0)
         if hit.num_blocks:
             key = (tenant, hashes[hit.num_blocks - 1])
@@ -169,6 +169,11 @@ class DataPlaneKVConnector(KVConnector):
                 # What load() of exactly this run will use instead of a second call.
                 _remember(self._stash, key, hit.refs, _MAX_STASHED)
                 hit.refs = None
+            else:
+                # No references this time (the run is in L3 and this worker does not
+                # read it): an earlier lookup's, for the same run, must not stand in for
+                # them; the replica holding their objects may be gone since.
+                self._stash.pop(key, None)
         return hit
 
     async def load(self, tenant: str, hashes: list[str]) -> Optional[list[bytes]]:
@@ -184,13 +189,13 @@ class DataPlaneKVConnector(KVConnector):
             debug = logger.isEnabledFor(logging.DEBUG)
             t_map, faults = time.perf_counter(), minor_faults() if debug else 0
             read_l3 = (lambda wanted: self._read_l3(tenant, wanted, hashes[0])) if self.direct_l3_reads else None
-            blocks = None if segments is None else await resolve_block_refs(segments, read_l3)
+            blocks = None if segments is None else await self._resolve(segments, read_l3)
             if blocks is None and segments is not None:
                 # Blocks left in Redis that this worker could not read (or may not now):
                 # the data plane reads them, and checks, counts and drops what is wrong.
                 self.direct_l3["fallbacks"] += 1
                 segments = await self._call("get_block_refs", tenant, hashes, shard_key=hashes[0])
-                blocks = None if segments is None else await resolve_block_refs(segments)
+                blocks = None if segments is None else await self._resolve(segments)
             if debug:
                 # The worker's part of a load: the call (the data plane's read) and mapping
                 # what it referenced, with reading L3 blocks from Redis (the torch engine
@@ -201,7 +206,7 @@ class DataPlaneKVConnector(KVConnector):
                     minor_faults() - faults,
                 )
         except Exception as e:
-            logger.warning("KV load failed, treating as a miss: %s", e)
+            logger.warning("KV load of %d blocks failed, treating as a miss: %r", len(hashes), e)
             return None
         if blocks is None or len(blocks) != len(hashes):
             return None
@@ -211,6 +216,12 @@ class DataPlaneKVConnector(KVConnector):
         # The data plane checked each on its way in (from a worker or from Redis) and
         # keeps it in read-only memory since; _read_l3 checked those it read.
         return CheckedBlocks(blocks)
+
+    async def _resolve(self, segments, read_l3=None) -> Optional[list[memoryview]]:
+        """:func:`resolve_block_refs` within the call timeout: an object that cannot be
+        had (its holder gone, a fetch that never ends) is a miss, never a request held."""
+        async with asyncio.timeout(self._timeout_s):  # no extra task, unlike wait_for
+            return await resolve_block_refs(segments, read_l3)
 
     @property
     def direct_l3_reads(self) -> bool:

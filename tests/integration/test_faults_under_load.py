@@ -37,7 +37,7 @@ import pytest
 from tests.fixtures.engines import thread_nices
 from tests.fixtures.load import Outcome, completion_body, fault_app_args, open_loop
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import deployed_app, wait_for, wait_ready
+from tests.fixtures.serve_app import ServeLogTail, deployed_app, wait_for, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -182,6 +182,7 @@ def test_compute_replica_killed_under_load(lf_app):
     _wait_healthy(base_url)
     before = _replica_names("ComputeWorker")
     assert len(before) == 2, before
+    logs = ServeLogTail(APP_NAME)
 
     with SteadyLoad(base_url, concurrency=4) as load:
         time.sleep(3)
@@ -234,7 +235,7 @@ def test_compute_replica_killed_under_load(lf_app):
     assert back_after_s <= REPLICA_BACK_WITHIN_S, f"replica back only after {back_after_s:.1f}s"
     assert success_rate >= MIN_SUCCESS_RATE, (
         f"{len(failures)} of {total} requests failed ({success_rate:.4%} succeeded): "
-        f"{[(f.status, f.body[:120]) for f in failures[:5]]}"
+        f"{[(f.status, f.body[:120]) for f in failures[:5]]}\n{logs.report()}"
     )
 
 
@@ -246,6 +247,7 @@ def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
     _wait_healthy(base_url)
     before = _replica_names("DataPlane")
     assert len(before) == 2, before
+    logs = ServeLogTail(APP_NAME)
     with httpx.Client(base_url=base_url, timeout=30) as client:
         sessions = [client.post("/v1/sessions").json()["id"] for _ in range(6)]
     acknowledged = {sid: 0 for sid in sessions}
@@ -313,7 +315,7 @@ def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
         f"{in_flight_on_victim} calls in flight on the killed replica) over "
         f"{len(sessions)} sessions, {len(failures)} failed; new replica after {back_after_s:.1f}s"
     )
-    assert not failures, failures[:5]
+    assert not failures, f"{failures[:5]}\n{logs.report()}"
     assert total > at_kill, "no turn was acknowledged after the kill"
     with httpx.Client(base_url=base_url, timeout=30) as client:
         for sid, n in acknowledged.items():

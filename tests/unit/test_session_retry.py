@@ -12,7 +12,7 @@ import ray.exceptions as rex
 
 from app import sessions
 from app.config import SessionConfig
-from app.errors import ConflictError, NotFoundError
+from app.errors import ConflictError, NotFoundError, ServiceUnavailableError
 from app.sessions import PendingTurn, SessionClient, replica_died
 from deployments.dataplane.types import SessionRecord
 
@@ -152,3 +152,99 @@ def test_delete_whose_first_attempt_applied_is_a_success():
     dp = FakeDataPlane(delete_session=[False])
     with pytest.raises(NotFoundError):
         asyncio.run(client(dp).delete(SID))
+
+
+class _Hangs:
+    """A step whose call never answers (a call lost on its way); notes the turn id."""
+
+    def __init__(self, seen: list | None = None):
+        self.seen = seen
+
+    def __call__(self, *args, **kwargs):
+        if self.seen is not None:
+            self.seen.append(kwargs.get("turn_id"))
+        return _HANGS
+
+
+_HANGS = object()
+
+
+class _HangingMethod(_Method):
+    """Like _Method, but a step returning _HANGS makes a call that never answers."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.cancelled = 0
+
+    def remote(self, *args, **kwargs):
+        self.calls += 1
+        step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        value = step(*args, **kwargs) if callable(step) else step
+        method = self
+
+        class _Response:
+            def cancel(self):
+                method.cancelled += 1
+
+            def __await__(self):
+                if value is _HANGS:
+                    return asyncio.get_running_loop().create_future().__await__()
+                if isinstance(value, BaseException):
+                    raise value
+                return _value(value).__await__()
+
+        return _Response()
+
+
+async def _value(v):
+    return v
+
+
+def timing_out_client(dp, call_timeout_s: float = 0.05) -> SessionClient:
+    return SessionClient(dp, SessionConfig(call_timeout_s=call_timeout_s))
+
+
+def test_a_read_with_no_answer_is_cancelled_and_made_again():
+    rec = record(3, [])
+    dp = FakeDataPlane()
+    dp.get_session = _HangingMethod([_Hangs(), rec])
+    assert asyncio.run(timing_out_client(dp).get(SID)) is rec
+    assert dp.get_session.calls == 2 and dp.get_session.cancelled == 1
+
+
+def test_an_append_with_no_answer_is_made_again_as_the_same_turn():
+    seen: list = []
+
+    def applied(*args, **kwargs):
+        seen.append(kwargs["turn_id"])
+        return record(3, [*MSGS])
+
+    dp = FakeDataPlane()
+    dp.append_turn = _HangingMethod([_Hangs(seen), applied])
+    assert asyncio.run(timing_out_client(dp).append(TURN, MSGS, 10)).version == 3
+    assert seen == [TURN.turn_id, TURN.turn_id]
+
+
+def test_a_call_that_never_answers_is_a_503_after_one_more_try_not_a_hang():
+    dp = FakeDataPlane()
+    dp.get_session = _HangingMethod([_Hangs()])
+
+    async def main():
+        # Bounded well below any request deadline: two attempts of call_timeout_s.
+        return await asyncio.wait_for(timing_out_client(dp).get(SID), 5)
+
+    with pytest.raises(ServiceUnavailableError) as info:
+        asyncio.run(main())
+    assert info.value.headers.get("Retry-After") == "1"
+    assert dp.get_session.calls == 1 + sessions.TIMEOUT_RETRIES
+    assert dp.get_session.cancelled == dp.get_session.calls
+
+
+def test_a_timeout_raised_by_the_data_plane_is_its_answer_not_a_lost_call():
+    # Ray re-raises a remote TimeoutError as an instance of TimeoutError: the client's own
+    # bound did not expire, so it is an answer, passed on and not made again.
+    dp = FakeDataPlane()
+    dp.get_session = _HangingMethod([TimeoutError("inside the data plane"), record(0, [])])
+    with pytest.raises(TimeoutError):
+        asyncio.run(timing_out_client(dp, call_timeout_s=5).get(SID))
+    assert dp.get_session.calls == 1

@@ -1,0 +1,93 @@
+"""DataPlaneKVConnector's lookup-then-load over a scripted data-plane handle (pure logic,
+no Ray cluster): which blocks a load uses, and that a load never holds a request."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deployments.compute.engines.kv import TIER_L2, TIER_L3, PrefixHit
+from deployments.dataplane import connector as connector_mod
+from deployments.dataplane.connector import DataPlaneKVConnector
+
+TENANT = "default"
+HASHES = ["h1", "h2"]
+
+
+class _Method:
+    def __init__(self, answer):
+        self.answer = answer
+        self.calls = 0
+
+    def remote(self, *args, **kwargs):
+        self.calls += 1
+        answer = self.answer(*args, **kwargs) if callable(self.answer) else self.answer
+
+        async def run():
+            return answer
+
+        return run()
+
+
+class _Handle:
+    def __init__(self, lookups: list[PrefixHit], refs):
+        self._lookups = list(lookups)
+        self.lookup_prefix = _Method(lambda *a, **k: self._lookups.pop(0))
+        self.get_block_refs = _Method(refs)
+
+
+def _inline(*blocks: bytes):
+    """``get_block_refs`` segments holding ``blocks`` inline, in order."""
+    return [(list(blocks), list(range(len(blocks))))]
+
+
+def test_a_lookup_without_references_drops_an_earlier_lookups_for_the_same_run():
+    # The first lookup of the run came with its blocks (L2, from some replica); the next
+    # found the run only in L3, with none. The load after it must ask the data plane now,
+    # not use the first lookup's references: their holder may be gone since.
+    stale, fresh = _inline(b"old1", b"old2"), _inline(b"new1", b"new2")
+    handle = _Handle(
+        [
+            PrefixHit(2, TIER_L2, 8, refs=stale),
+            PrefixHit(2, TIER_L3, 8, refs=None),
+        ],
+        refs=fresh,
+    )
+    conn = DataPlaneKVConnector(handle, block_size=16)
+
+    async def main():
+        await conn.lookup(TENANT, HASHES)
+        await conn.lookup(TENANT, HASHES)
+        return await conn.load(TENANT, HASHES)
+
+    blocks = asyncio.run(main())
+    assert [bytes(b) for b in blocks] == [b"new1", b"new2"]
+    assert handle.get_block_refs.calls == 1
+
+
+def test_a_lookup_with_references_is_what_the_load_uses():
+    handle = _Handle([PrefixHit(2, TIER_L2, 8, refs=_inline(b"a", b"b"))], refs=_inline(b"x", b"y"))
+    conn = DataPlaneKVConnector(handle, block_size=16)
+
+    async def main():
+        await conn.lookup(TENANT, HASHES)
+        return await conn.load(TENANT, HASHES)
+
+    assert [bytes(b) for b in asyncio.run(main())] == [b"a", b"b"]
+    assert handle.get_block_refs.calls == 0
+
+
+def test_blocks_that_never_arrive_are_a_miss_within_the_timeout(monkeypatch):
+    # An object that cannot be had (a fetch that never ends) must cost the call timeout,
+    # then the engine recomputes: never a request held until its deadline.
+    async def never(segments, read_l3=None):
+        await asyncio.get_running_loop().create_future()
+
+    monkeypatch.setattr(connector_mod, "resolve_block_refs", never)
+    handle = _Handle([PrefixHit(2, TIER_L2, 8, refs=_inline(b"a", b"b"))], refs=None)
+    conn = DataPlaneKVConnector(handle, block_size=16, timeout_s=0.05)
+
+    async def main():
+        await conn.lookup(TENANT, HASHES)
+        return await asyncio.wait_for(conn.load(TENANT, HASHES), 5)
+
+    assert asyncio.run(main()) is None

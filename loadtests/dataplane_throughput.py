@@ -20,14 +20,20 @@ reply) for comparison. On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
 Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the redis-server
-holding the blocks (``--kv-redis cache``, the default: their own cache server, no
+holding the blocks, twice: on one key, its default (every SET replaces the one value,
+every GET reads the same bytes, hot in the CPU's caches), and with ``-r NUM_BLOCKS``
+(random keys among as many as ours; ratios ``*_keyspace``), which is the same work as
+ours: many distinct values, each written once a round and read from memory. Our keys are
+the same every round (new bytes), so from the second round on both sides replace values
+they wrote before (``--kv-redis cache``, the default: their own cache server, no
 persistence, as ``serve_config.yaml`` deploys them; ``shared``: the sessions' AOF server),
 run right after ours in each round; the ratio is taken per round (the machine's speed
 drifts by tens of percent between minutes), and the median over rounds is reported.
 
 A warm-up round (not counted) runs first: on this VM the first touch of fresh memory costs
-~3 µs per 4 KiB page, so a cold first round measures page faults; redis-benchmark, which
-SETs and GETs one key over and over, never pays them.
+~3 µs per 4 KiB page, so a cold first round measures page faults (redis-benchmark on one
+key never pays them; with ``-r`` its first round does, as ours did in every round while
+each round wrote new keys, until 2026-12-03).
 
 Bounds (``--no-bounds`` skips them), same payload per call and concurrency: Ray's object
 store alone (``ray.put`` + ``ray.get`` in one process; an actor returning an array; an
@@ -69,10 +75,13 @@ def _say(msg: str) -> None:
     print(f"[dp-throughput] {msg}", file=sys.stderr, flush=True)
 
 
-def redis_benchmark(port: int, size: int, n: int, clients: int) -> dict:
+def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0) -> dict:
+    """GB/s of ``redis-benchmark -t set,get``: on one key (its default), or with
+    ``keyspace`` on random keys among that many (``-r``)."""
     out = subprocess.run(
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get",
-         "-d", str(size), "-n", str(n), "-c", str(clients), "-q"],
+         "-d", str(size), "-n", str(n), "-c", str(clients), "-q"]
+        + (["-r", str(keyspace)] if keyspace else []),
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout
     rates = {}
@@ -400,28 +409,37 @@ def main(argv=None) -> int:
         for rnd in range(args.warmup + args.rounds):
             payloads = [os.urandom(size - 128) for _ in range(args.num_blocks)]
             blocks = [encode_block(BlockHeader("uint8", (len(b),)), b) for b in payloads]
-            hashes = [f"{rnd:02d}{i:030x}" for i in range(args.num_blocks)]
+            # The same keys every round (new bytes): from the second round on, the puts'
+            # writes replace the last round's values in Redis, as a cache's writes do in
+            # steady state and as redis-benchmark's do on its own keys.
+            hashes = [f"{i:032x}" for i in range(args.num_blocks)]
             value_size = len(blocks[0])
             warm = rnd < args.warmup
             label = "warm-up" if warm else f"round {rnd - args.warmup + 1}"
             _say(f"{label}: data plane, {args.num_blocks} blocks of {value_size} bytes")
-            ours = asyncio.run(with_reader(cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, f"bench{rnd}"))
-            _say(f"{label}: redis-benchmark, same value size")
+            ours = asyncio.run(with_reader(cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, "bench"))
+            _say(f"{label}: redis-benchmark, same value size, one key and {args.num_blocks} keys")
             peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency)
+            peer_keys = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency, args.num_blocks)
             _say(f"{label}: ours {json.dumps({k: round(v, 3) for k, v in ours.items()})} "
-                 f"redis-benchmark {json.dumps({k: round(v, 3) for k, v in peer.items()})}")
+                 f"redis-benchmark {json.dumps({k: round(v, 3) for k, v in peer.items()})}, "
+                 f"-r {args.num_blocks} {json.dumps({k: round(v, 3) for k, v in peer_keys.items()})}")
             if not warm:
+                ratios = {}
+                for suffix, ref in (("", peer), ("_keyspace", peer_keys)):
+                    ratios.update({
+                        f"put_over_redis_set{suffix}": ours["put"] / ref["set"],
+                        f"get_l3_over_redis_get{suffix}": ours["get_l3"] / ref["get"],
+                        f"get_l3_through_dataplane_over_redis_get{suffix}": ours["get_l3_through_dataplane"] / ref["get"],
+                        f"get_l2_over_redis_get{suffix}": ours["get_l2"] / ref["get"],
+                        f"get_l2_during_write_behind_over_redis_get{suffix}": ours["get_l2_during_write_behind"] / ref["get"],
+                        f"get_l2_packed_over_redis_get{suffix}": ours["get_l2_packed"] / ref["get"],
+                    })
                 results.append({
                     "ours_gbps": ours,
                     "redis_benchmark_gbps": peer,
-                    "ratios": {
-                        "put_over_redis_set": ours["put"] / peer["set"],
-                        "get_l3_over_redis_get": ours["get_l3"] / peer["get"],
-                        "get_l3_through_dataplane_over_redis_get": ours["get_l3_through_dataplane"] / peer["get"],
-                        "get_l2_over_redis_get": ours["get_l2"] / peer["get"],
-                        "get_l2_during_write_behind_over_redis_get": ours["get_l2_during_write_behind"] / peer["get"],
-                        "get_l2_packed_over_redis_get": ours["get_l2_packed"] / peer["get"],
-                    },
+                    "redis_benchmark_keyspace_gbps": peer_keys,
+                    "ratios": ratios,
                 })
         if args.worker_blocks:
             sizes = [int(x) for x in args.worker_blocks.split(",") if x]

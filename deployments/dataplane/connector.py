@@ -123,6 +123,7 @@ class DataPlaneKVConnector(KVConnector):
         # Per tier, the measured bandwidth (bytes per second of fetches). An average of
         # per-fetch ratios let small fetches drag it down, and then whole long prefixes
         # were recomputed instead of fetched: hence Rate's ratio of averages.
+        self._ewma_alpha = ewma_alpha
         self._bandwidth = {tier: Rate(ewma_alpha) for tier in (TIER_L2, TIER_L3)}
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._stash: OrderedDict[tuple[str, str], list] = OrderedDict()
@@ -347,3 +348,6 @@ class DataPlaneKVConnector(KVConnector):
     def bandwidth_bytes_per_s(self, tier: str) -> Optional[float]:
         rate = self._bandwidth.get(tier)
         return None if rate is None else rate.value
+
+    def forget_bandwidth(self) -> None:
+        self._bandwidth = {tier: Rate(self._ewma_alpha) for tier in self._bandwidth}

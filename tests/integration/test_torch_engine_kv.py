@@ -423,6 +423,29 @@ async def test_a_cold_warm_up_is_forgotten_and_stored_prefixes_are_imported_agai
 
 
 @pytest.mark.asyncio
+async def test_the_stores_figures_from_the_warm_up_are_forgotten_too(engine, store):
+    """The warm-up prompt is the same on every replica, so a new replica's warm-up finds
+    it in the store and reads one block on cold connections: a transport figure so low
+    (24 MB/s in ``loadtests.multiturn``) that, with no import figure yet, the first hits
+    of sessions were recomputed. ``forget_measurements`` drops the store's figures too."""
+    ids = encode(engine, PROMPTS[0])
+    await run_and_export(engine, make_request("prime-store", ids))  # and a prefill measured
+    assert engine.import_bytes_per_s("L2") is None  # no import yet: the store's figure decides
+    store.bandwidth = 1e3  # what a cold one-block read left
+    before = engine.kv_stats()
+    await collect(engine, make_request("skipped-slow-store", ids))
+    assert engine.kv_stats().fetch_skipped == before.fetch_skipped + 1
+
+    engine.forget_measurements()
+    assert store.bandwidth_bytes_per_s("L2") is None
+    before = engine.kv_stats()
+    await collect(engine, make_request("imported-after-forgetting", ids))
+    after = engine.kv_stats()
+    assert after.fetch_skipped == before.fetch_skipped
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == (len(ids) - 1) // BLOCK * BLOCK
+
+
+@pytest.mark.asyncio
 async def test_start_runs_a_forward_pass_that_nothing_counts(tiny_model_path, monkeypatch):
     """start() pays a fresh process's first-use costs with a throwaway prefill and decode
     step on the engine's thread (a cold 32-token prefill took 4x a warm one on the small

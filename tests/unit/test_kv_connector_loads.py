@@ -91,3 +91,13 @@ def test_blocks_that_never_arrive_are_a_miss_within_the_timeout(monkeypatch):
         return await asyncio.wait_for(conn.load(TENANT, HASHES), 5)
 
     assert asyncio.run(main()) is None
+
+
+def test_forgotten_bandwidths_are_measured_again():
+    conn = DataPlaneKVConnector(None, block_size=16)
+    conn.record_fetch(TIER_L3, 262_285, 0.0109)  # a cold one-block read: 24 MB/s
+    assert conn.bandwidth_bytes_per_s(TIER_L3) < 30e6
+    conn.forget_bandwidth()
+    assert conn.bandwidth_bytes_per_s(TIER_L3) is None and conn.bandwidth_bytes_per_s(TIER_L2) is None
+    conn.record_fetch(TIER_L3, 22_294_260, 0.0173)
+    assert conn.bandwidth_bytes_per_s(TIER_L3) > 1e9

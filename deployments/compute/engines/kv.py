@@ -104,6 +104,9 @@ class KVConnector(abc.ABC):
         """Measured bandwidth of a tier, None until measured."""
         return None
 
+    def forget_bandwidth(self) -> None:
+        """Drop the measured bandwidths (a store that measures none has nothing to drop)."""
+
 
 def should_fetch(
     hit: PrefixHit,

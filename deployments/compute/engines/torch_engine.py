@@ -845,14 +845,22 @@ class TorchEngine(Engine):
 
     def forget_measurements(self) -> None:
         """Drop the measured prefill and import speeds that the fetch-or-recompute decision
-        weighs (counters stay). The worker calls it after its warm-up generation, which runs
-        while the other replicas of the application start on the same cores: a 32-token
-        warm-up prefill measured 0.84 s there, against ~35 ms for 100 tokens a moment later,
-        and with that sample the fitted per-token cost was 0, so the first turns of sessions
-        recomputed their stored prefixes."""
+        weighs, and the KV store's transport figures (counters stay). The worker calls it
+        after its warm-up generation, which runs while the other replicas of the
+        application start on the same cores: a 32-token warm-up prefill measured 0.84 s
+        there, against ~35 ms for 100 tokens a moment later, and with that sample the
+        fitted per-token cost was 0, so the first turns of sessions recomputed their
+        stored prefixes. The warm-up's prompt is the same on every replica, so from the
+        second replica a deployment ever started on, it is found in Redis: its one-block
+        read on fresh connections (a 98.5 ms lookup, 10.9 ms to read 262 KB) left an L3
+        transport figure of 24 MB/s, and the first four L3 hits of sessions were
+        recomputed (``loadtests.multiturn``, 2026-12-03: turns 2-5 at 130-420 ms
+        instead of ~100)."""
         self._prefill_time = PrefillTimeModel()
         self._import_rate.clear()
         self._skips_since_fetch.clear()
+        if self._kv is not None:
+            self._kv.forget_bandwidth()
 
     def _drain_all(self) -> list[_Command]:
         out = []

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from deployments.dataplane import keys
+from tests.fixtures.serve_app import ServeLogTail
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +36,7 @@ def wait_for_dataplane(base_url: str, state: str, timeout_s: float = 30) -> list
 
 def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redis_client):
     base = served_app.base_url
+    logs = ServeLogTail("llm")  # the shared app (tests/fixtures/serve_app.py)
     sessions = [httpx.post(base + "/v1/sessions", timeout=30).json()["id"] for _ in range(3)]
     acknowledged: dict[str, int] = {sid: 0 for sid in sessions}
     failures: list[str] = []
@@ -83,7 +85,7 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
         if not redis_server.running:
             redis_server.start()
 
-    assert not failures, failures[:5]
+    assert not failures, f"{failures[:5]}\n{logs.report()}"
     assert set(statuses) == {200}, statuses
     assert all(n > 0 for n in during.values()), during
     # Every acknowledged turn is in Redis (written back after the outage), in order. /ready

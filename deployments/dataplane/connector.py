@@ -122,9 +122,10 @@ class DataPlaneKVConnector(KVConnector):
         self._session_id = session_id
         # Per tier, the measured bandwidth (bytes per second of fetches). An average of
         # per-fetch ratios let small fetches drag it down, and then whole long prefixes
-        # were recomputed instead of fetched: hence Rate's ratio of averages.
+        # were recomputed instead of fetched: hence Rate's ratio of averages. Made (fresh)
+        # by forget_bandwidth, as ``_bandwidth``.
         self._ewma_alpha = ewma_alpha
-        self._bandwidth = {tier: Rate(ewma_alpha) for tier in (TIER_L2, TIER_L3)}
+        self.forget_bandwidth()
         self._tiers: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._stash: OrderedDict[tuple[str, str], list] = OrderedDict()
         self._pending: set[asyncio.Task] = set()
@@ -350,4 +351,4 @@ class DataPlaneKVConnector(KVConnector):
         return None if rate is None else rate.value
 
     def forget_bandwidth(self) -> None:
-        self._bandwidth = {tier: Rate(self._ewma_alpha) for tier in self._bandwidth}
+        self._bandwidth = {tier: Rate(self._ewma_alpha) for tier in (TIER_L2, TIER_L3)}

@@ -19,10 +19,27 @@ from deployments.dataplane.types import SessionRecord
 SID = "sess_" + "a" * 32
 
 
+# A step whose call never answers (a call lost on its way).
+HANG = object()
+
+
+class _Response:
+    """A call's answer, to await (as a DeploymentResponse) or to cancel."""
+
+    def __init__(self, coro, method: "_Method"):
+        self._coro, self._method = coro, method
+
+    def __await__(self):
+        return self._coro.__await__()
+
+    def cancel(self):
+        self._method.cancelled += 1
+
+
 class _Method:
     def __init__(self, script):
-        self.script = list(script)  # per call: a value, an exception, or a callable
-        self.calls = 0
+        self.script = list(script)  # per call: a value, an exception, HANG, or a callable
+        self.calls = self.cancelled = 0
 
     def remote(self, *args, **kwargs):
         self.calls += 1
@@ -31,20 +48,26 @@ class _Method:
         async def run():
             if isinstance(step, BaseException):
                 raise step
-            return step(*args, **kwargs) if callable(step) else step
+            value = step(*args, **kwargs) if callable(step) else step
+            if value is HANG:
+                await asyncio.get_running_loop().create_future()
+            return value
 
-        return run()
+        return _Response(run(), self)
 
 
 class _Recording:
-    """A scripted failure that also notes the turn id the call carried."""
+    """A scripted outcome (an exception to raise, or HANG) that also notes the turn id
+    the call carried."""
 
-    def __init__(self, error: BaseException, seen: list):
-        self.error, self.seen = error, seen
+    def __init__(self, outcome, seen: list):
+        self.outcome, self.seen = outcome, seen
 
     def __call__(self, *args, **kwargs):
         self.seen.append(kwargs["turn_id"])
-        raise self.error
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
 
 
 class FakeDataPlane:
@@ -154,60 +177,13 @@ def test_delete_whose_first_attempt_applied_is_a_success():
         asyncio.run(client(dp).delete(SID))
 
 
-class _Hangs:
-    """A step whose call never answers (a call lost on its way); notes the turn id."""
-
-    def __init__(self, seen: list | None = None):
-        self.seen = seen
-
-    def __call__(self, *args, **kwargs):
-        if self.seen is not None:
-            self.seen.append(kwargs.get("turn_id"))
-        return _HANGS
-
-
-_HANGS = object()
-
-
-class _HangingMethod(_Method):
-    """Like _Method, but a step returning _HANGS makes a call that never answers."""
-
-    def __init__(self, script):
-        super().__init__(script)
-        self.cancelled = 0
-
-    def remote(self, *args, **kwargs):
-        self.calls += 1
-        step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
-        value = step(*args, **kwargs) if callable(step) else step
-        method = self
-
-        class _Response:
-            def cancel(self):
-                method.cancelled += 1
-
-            def __await__(self):
-                if value is _HANGS:
-                    return asyncio.get_running_loop().create_future().__await__()
-                if isinstance(value, BaseException):
-                    raise value
-                return _value(value).__await__()
-
-        return _Response()
-
-
-async def _value(v):
-    return v
-
-
 def timing_out_client(dp, call_timeout_s: float = 0.05) -> SessionClient:
     return SessionClient(dp, SessionConfig(call_timeout_s=call_timeout_s))
 
 
 def test_a_read_with_no_answer_is_cancelled_and_made_again():
     rec = record(3, [])
-    dp = FakeDataPlane()
-    dp.get_session = _HangingMethod([_Hangs(), rec])
+    dp = FakeDataPlane(get_session=[HANG, rec])
     assert asyncio.run(timing_out_client(dp).get(SID)) is rec
     assert dp.get_session.calls == 2 and dp.get_session.cancelled == 1
 
@@ -219,15 +195,13 @@ def test_an_append_with_no_answer_is_made_again_as_the_same_turn():
         seen.append(kwargs["turn_id"])
         return record(3, [*MSGS])
 
-    dp = FakeDataPlane()
-    dp.append_turn = _HangingMethod([_Hangs(seen), applied])
+    dp = FakeDataPlane(append_turn=[_Recording(HANG, seen), applied])
     assert asyncio.run(timing_out_client(dp).append(TURN, MSGS, 10)).version == 3
     assert seen == [TURN.turn_id, TURN.turn_id]
 
 
 def test_a_call_that_never_answers_is_a_503_after_one_more_try_not_a_hang():
-    dp = FakeDataPlane()
-    dp.get_session = _HangingMethod([_Hangs()])
+    dp = FakeDataPlane(get_session=[HANG])
 
     async def main():
         # Bounded well below any request deadline: two attempts of call_timeout_s.
@@ -243,8 +217,7 @@ def test_a_call_that_never_answers_is_a_503_after_one_more_try_not_a_hang():
 def test_a_timeout_raised_by_the_data_plane_is_its_answer_not_a_lost_call():
     # Ray re-raises a remote TimeoutError as an instance of TimeoutError: the client's own
     # bound did not expire, so it is an answer, passed on and not made again.
-    dp = FakeDataPlane()
-    dp.get_session = _HangingMethod([TimeoutError("inside the data plane"), record(0, [])])
+    dp = FakeDataPlane(get_session=[TimeoutError("inside the data plane"), record(0, [])])
     with pytest.raises(TimeoutError):
         asyncio.run(timing_out_client(dp, call_timeout_s=5).get(SID))
     assert dp.get_session.calls == 1

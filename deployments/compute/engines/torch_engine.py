@@ -629,9 +629,9 @@ class TorchEngine(Engine):
             # the autoscaling test restarted its L1 figure 8 times in 8 s (the counter
             # is what to watch).
             logger.debug(
-                "kv import figure of %s restarted from an import over 4x faster than it: %.3f GB/s "
+                "kv import figure of %s restarted from an import over %gx faster than it: %.3f GB/s "
                 "against %.3f GB/s (a stalled import, or smaller ones, had set it)",
-                tier, num_bytes / seconds / 1e9, figure / 1e9,
+                tier, rate.reset_factor, num_bytes / seconds / 1e9, figure / 1e9,
             )
 
     def import_bytes_per_s(self, tier: str) -> Optional[float]:

@@ -527,6 +527,16 @@ class DataPlaneConfig(_Strict):
         default=200, ge=1, le=600_000, description="Write-behind period from L2 to Redis."
     )
     kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
+    drain_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="A replica that Serve stops (scale-down, redeploy, node drain) spends at "
+        "most this long writing back what only its memory holds (blocks not yet written "
+        "behind; sessions' turns and deletes from a Redis outage) and handing what Redis "
+        "cannot take yet to the replicas that own those sessions next. Serve's graceful "
+        "shutdown timeout of the deployment is this plus 5 s.",
+    )
     root_index_sync_ms: int = Field(
         default=250,
         ge=0,

@@ -19,6 +19,13 @@ blocks live in this replica's memory (appends compare-and-set on the in-memory v
 background task retries every ``reconnect_interval_s``; when Redis answers, what was kept
 (newer sessions, deletions, dirty blocks) is written back before the flag clears.
 
+A replica that Serve stops (scale-down, redeploy, node drain) drains first
+(:meth:`DataPlane.drain`): it writes back what Redis takes, and hands a sessions outage's
+turns and deletes to the replica that owns each session once it is gone (:meth:`adopt`,
+routed by the session's key with this replica excluded), which serves them from memory
+and writes them back when Redis returns. Only a crash during an outage, or stopping the
+whole pool during one, loses them (the latter names them in an ERROR line).
+
 Where L2 lives: under Ray, the blocks of one put (or of one read from Redis) are copied
 once into one object in Ray's shared-memory object store, which this replica owns
 (``_Resident``); L2 keeps read-only views of it. A worker's read (:meth:`get_block_refs`)
@@ -42,7 +49,7 @@ from opentelemetry import trace
 
 from app import telemetry
 from app.config import AppConfig, DataPlaneConfig
-from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.errors import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from app.host_memory import minor_faults
 from app.object_store import Prefault
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
@@ -171,6 +178,15 @@ class _Metrics:
         self.l2_compactions = m.Counter(
             "llm_dataplane_l2_compactions", "Shared L2 buffers copied out because most of their blocks were gone."
         )
+        self.drain_sessions = m.Counter(
+            "llm_dataplane_drain_sessions",
+            "Sessions with changes only a stopping replica's memory held (from a Redis outage), by "
+            "outcome: written_back, handed_off (to the replica that owns them next), lost.",
+            tag_keys=("outcome",),
+        )
+        self.adopted_sessions = m.Counter(
+            "llm_dataplane_adopted_sessions", "Sessions' unsynced state taken over from a stopping replica."
+        )
         self.append_replays = m.Counter(
             "llm_dataplane_session_append_replays",
             "Session appends made again after they had landed (same turn id), answered as their success.",
@@ -246,6 +262,7 @@ class DataPlane:
         self._tasks: list[asyncio.Task] = []
         self._peers = None
         self._started = False
+        self._drain_started = False
 
     @staticmethod
     def _default_store(cfg: DataPlaneConfig) -> RedisStore:
@@ -304,15 +321,180 @@ class DataPlane:
                 self._cfg.l2_capacity_bytes, int(store),
             )
 
-    async def shutdown(self) -> None:
+    def __del__(self):
+        """Serve calls this when it stops the replica (scale-down, redeploy, node drain),
+        after the calls in flight finished, and awaits what it returns: :meth:`drain`.
+        A plain method that returns the coroutine rather than ``async def``: Python's
+        garbage collector calls ``__del__`` too, on every DataPlane made outside Serve
+        (tests, tools), where an ``async def`` would leave a never-awaited coroutine."""
+        if getattr(self, "_drain_started", True) or not self._started or self._replica_key() is None:
+            return None
+        return self.drain()
+
+    async def drain(self) -> dict:
+        """Leave nothing that only this replica's memory holds, within
+        ``dataplane.drain_timeout_s``. First write it back: blocks not yet written
+        behind, and what a Redis outage kept in memory (turns, creates and deletes of
+        sessions, their block lists, blocks a delete could not erase), if the server
+        answers now. What it cannot take yet is handed, session by session, to the
+        replica that owns the session once this one is gone (:meth:`adopt`), which
+        writes it back when the server returns. An acknowledged turn is lost only if
+        neither works (no other replica: the whole pool is stopping during an outage);
+        then an ERROR line names the sessions. Returns what happened, by kind."""
+        self._drain_started = True
         for t in self._tasks:
             t.cancel()
-        if not self._degraded[KV]:
+        self._tasks = []
+        outcome = {"written_back": 0, "handed_off": 0, "lost_sessions": 0, "lost_blocks": 0}
+        if not self._started:
+            await self._store.close()
+            return outcome
+        deadline = time.monotonic() + self._cfg.drain_timeout_s
+        before = self._unsynced_session_keys()
+        for server in self._servers():
             try:
-                await self._write_dirty_blocks()
-            except RedisUnavailable:
-                pass
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    if self._degraded[server]:
+                        await self._store.ping(server)
+                        await self._resync(server)
+                    elif KV in self._linked(server):
+                        await self._redis(KV, self._write_dirty_blocks)
+            except (RedisUnavailable, TimeoutError) as e:
+                logger.warning("DataPlane drain: the %s Redis could not take this replica's writes (%s)", server, str(e) or type(e).__name__)
+        left = self._unsynced_session_keys()
+        outcome["written_back"] = len(before - left)
+        if left or self._blocks_to_delete:
+            handed, lost = await self._hand_over_unsynced(left, deadline)
+            outcome["handed_off"] = len(handed)
+            outcome["lost_sessions"] = len(lost)
+            self._m.inc("drain_sessions", len(handed), tags={"outcome": "handed_off"})
+            self._m.inc("drain_sessions", len(lost), tags={"outcome": "lost"})
+            if lost:
+                logger.error(
+                    "DataPlane drain: %d sessions' changes made during the Redis outage "
+                    "(acknowledged turns, creates or deletes) could neither be written "
+                    "back nor handed to another replica and are lost: %s",
+                    len(lost), ", ".join(f"{t}/{sid}" for t, sid in sorted(lost)[:20]),
+                )
+        outcome["lost_blocks"] = len(self._l2.dirty)
+        if outcome["lost_blocks"]:
+            # A cache: a later miss recomputes them.
+            self._m.inc("dropped", outcome["lost_blocks"])
+        self._m.inc("drain_sessions", outcome["written_back"], tags={"outcome": "written_back"})
+        logger.info(
+            "DataPlane drain: sessions written back %d, handed to other replicas %d, lost %d; "
+            "KV blocks never written behind (dropped) %d",
+            outcome["written_back"], outcome["handed_off"], outcome["lost_sessions"], outcome["lost_blocks"],
+        )
         await self._store.close()
+        return outcome
+
+    def _unsynced_session_keys(self) -> set[SessionKey]:
+        return set(self._dirty_sessions) | set(self._deleted_sessions) | set(self._pending_session_blocks)
+
+    def _replica_key(self) -> Optional[str]:
+        try:
+            from ray import serve
+
+            from deployments.dataplane.routing import replica_key
+
+            return replica_key(serve.get_replica_context().replica_id)
+        except Exception:
+            return None
+
+    async def _hand_over_unsynced(self, unsynced: set[SessionKey], deadline: float) -> tuple[set[SessionKey], set[SessionKey]]:
+        """Give each unsynced session's state to its next owner (and the blocks that
+        deletes could not erase to any other replica). Returns (handed, lost)."""
+        handle = self._peers
+        me = self._replica_key()
+        if handle is None or me is None:
+            return set(), set(unsynced)
+        now = time.time()
+        limit = asyncio.Semaphore(16)
+
+        async def give(key: SessionKey) -> bool:
+            tenant, session_id = key
+            rec = self._sessions.get(key) if key in self._dirty_sessions else None
+            if rec is not None and rec.expired(now):
+                rec = None
+            deleted = key in self._deleted_sessions
+            members = sorted(self._pending_session_blocks.get(key, ()))
+            if rec is None and not deleted and not members:
+                return True  # expired meanwhile: nothing to keep
+            async with limit:
+                try:
+                    async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                        await handle.adopt.remote(
+                            tenant, session_id, record=rec, deleted=deleted, block_members=members,
+                            shard_key=session_id, exclude_replica=me,
+                        )
+                    return True
+                except Exception as e:  # noqa: BLE001 - counted and logged as lost
+                    logger.warning("DataPlane drain: could not hand session %s to another replica: %s", session_id, str(e) or type(e).__name__)
+                    return False
+
+        keys_ = sorted(unsynced)
+        results = await asyncio.gather(*(give(k) for k in keys_))
+        for tenant, members in list(self._blocks_to_delete.items()):
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await handle.adopt.remote(tenant, blocks_to_delete=sorted(members), exclude_replica=me)
+            except Exception as e:  # noqa: BLE001 - a cache: they expire by kv_ttl_s
+                logger.warning(
+                    "DataPlane drain: %d blocks of deleted sessions stay in the KV Redis until they "
+                    "expire (no other replica took them: %s)", len(members), str(e) or type(e).__name__,
+                )
+        handed = {k for k, ok in zip(keys_, results) if ok}
+        return handed, set(keys_) - handed
+
+    async def adopt(
+        self,
+        tenant: str,
+        session_id: Optional[str] = None,
+        *,
+        record: Optional[SessionRecord] = None,
+        deleted: bool = False,
+        block_members: Sequence[str] = (),
+        blocks_to_delete: Sequence[str] = (),
+        shard_key: Optional[str] = None,
+        exclude_replica: Optional[str] = None,
+    ) -> None:
+        """Take over what a stopping replica kept of one session in memory only: its
+        record (newer than Redis's), its delete, the blocks not yet in its block list;
+        or (no session) blocks whose erasure from the KV Redis is still due. Written back
+        at once if the server answers, else kept like this replica's own until it does.
+        ``exclude_replica`` is for the request router (never the sender itself)."""
+        await self.start()
+        if blocks_to_delete:
+            self._blocks_to_delete[tenant].update(blocks_to_delete)
+        if session_id is not None:
+            key = (tenant, session_id)
+            if deleted:
+                self._sessions.pop(key, None)
+                self._dirty_sessions.discard(key)
+                self._deleted_sessions.add(key)
+            elif record is not None:
+                mine = self._sessions.get(key)
+                if mine is None or mine.version < record.version:
+                    self._sessions[key] = _copy(record)
+                    self._sessions.move_to_end(key)
+                    self._dirty_sessions.add(key)
+                    self._deleted_sessions.discard(key)
+            if block_members and key not in self._deleted_sessions:
+                self._pending_session_blocks[key].update(block_members)
+            self._m.inc("adopted_sessions")
+        # Written back now where the server is up. Where it is down (or goes down
+        # meanwhile, which marks it so) the reconnect loop's resync writes it once it
+        # answers, as this replica's own.
+        try:
+            if session_id is not None and not self._degraded[SESSIONS]:
+                await self._redis(SESSIONS, self._resync_sessions)
+            if blocks_to_delete and not self._degraded[KV]:
+                done = set(self._blocks_to_delete.get(tenant, ()))
+                await self._redis(KV, self._store.delete_member_blocks, tenant, sorted(done))
+                _settle(self._blocks_to_delete, tenant, done)
+        except RedisUnavailable:
+            pass  # marked degraded by _redis: the reconnect loop takes over
 
     # -- degraded mode ----------------------------------------------------------------
 
@@ -1040,8 +1222,11 @@ class DataPlane:
         try:
             rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id)
         except RedisUnavailable:
+            known = key in self._sessions or key in self._deleted_sessions
             rec = self._memory_session(tenant, session_id)
             if rec is None:
+                if not known:
+                    raise self._unknown_in_outage(session_id) from None
                 return None
             rec.expires_at = time.time() + rec.ttl_s
             return _copy(rec)
@@ -1119,6 +1304,17 @@ class DataPlane:
         return rec
 
     @staticmethod
+    def _unknown_in_outage(session_id: str) -> ServiceUnavailableError:
+        """The sessions Redis is down and this replica holds nothing of the session: it
+        may well exist (in Redis, or on its way here from a replica being stopped, see
+        ``drain``), so not a 404, which would tell the client its conversation is gone."""
+        return ServiceUnavailableError(
+            f"session {session_id!r} cannot be read now: the session store is unreachable "
+            "and this server holds no copy of it; retry shortly",
+            headers={"Retry-After": "1"},
+        )
+
+    @staticmethod
     def _conflict(session_id: str, expected: int, current: int) -> ConflictError:
         return ConflictError(
             f"session {session_id!r} is at version {current}, not {expected}: another "
@@ -1137,8 +1333,12 @@ class DataPlane:
         turn_id: str,
     ) -> SessionRecord:
         # No await in here: the check and the write are atomic on this replica's loop.
+        key = (tenant, session_id)
+        known = key in self._sessions or key in self._deleted_sessions
         rec = self._memory_session(tenant, session_id)
         if rec is None:
+            if not known:
+                raise self._unknown_in_outage(session_id)
             raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
         if rec.version != expected_version:
             if turn_id and rec.version == expected_version + 1 and rec.last_turn_id == turn_id:
@@ -1277,6 +1477,8 @@ def dataplane_deployment(config: AppConfig):
         num_replicas=dp.num_replicas,
         # Calls are short and mostly wait on Redis; Serve's default of 5 would queue them.
         max_ongoing_requests=1000,
+        # A stopping replica's drain (DataPlane.drain) must not be cut short by Serve.
+        graceful_shutdown_timeout_s=dp.drain_timeout_s + 5,
         # dp.resources: the node role (e.g. {data_node: 0.01}) that places it on memory nodes.
         ray_actor_options={"num_cpus": dp.num_cpus} | ({"resources": dict(dp.resources)} if dp.resources else {}),
         request_router_config=RequestRouterConfig(

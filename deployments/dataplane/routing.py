@@ -6,6 +6,8 @@ replica ids computes the same owner). :class:`KeyAffinityRequestRouter` plugs it
 Ray Serve as the DataPlane deployment's request router: a call's ``shard_key`` keyword
 picks the owner, then the next distinct replicas on the ring as fallbacks (Serve moves to
 a fallback only when the owner is full). A call without ``shard_key`` may go anywhere.
+``exclude_replica`` takes one replica out of both (its keys' owners are then the replicas
+that own them once it is gone).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from typing import Hashable, Iterable, List, Optional
 logger = logging.getLogger("ray.serve")
 
 SHARD_KEY_KWARG = "shard_key"
+# A call's keyword naming a replica (``replica_key``) that must not take it: a replica
+# being stopped hands its state to the key's next owner, never back to itself.
+EXCLUDE_KWARG = "exclude_replica"
 DEFAULT_VNODES = 128
 NUM_FALLBACKS = 2
 
@@ -118,9 +123,13 @@ class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
         candidate_replicas: List["RunningReplica"],
         pending_request: Optional["PendingRequest"] = None,
     ) -> List[List["RunningReplica"]]:
+        kwargs = pending_request.kwargs if pending_request else {}
+        exclude = kwargs.get(EXCLUDE_KWARG)
+        if exclude is not None:
+            candidate_replicas = [r for r in candidate_replicas if replica_key(r.replica_id) != exclude]
         if not candidate_replicas:
             return []
-        shard_key = pending_request.kwargs.get(SHARD_KEY_KWARG) if pending_request else None
+        shard_key = kwargs.get(SHARD_KEY_KWARG)
         if shard_key is None:
             # Any replica: one rank, Serve picks the least loaded of them.
             return [list(candidate_replicas)]

@@ -536,6 +536,73 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
     assert int(redis_client.hget(keys.session_key(tenant, sid), "version")) == 7
 
 
+def _replica_states() -> dict:
+    from ray import serve
+
+    return dict(serve.status().applications[APP_NAME].deployments["DataPlane"].replica_states)
+
+
+async def test_a_replica_stopped_during_an_outage_hands_its_turns_over(dataplane, redis_server, redis_client):  # noqa: F811
+    """A redeploy down to one replica while Redis is down: each session's owner held its
+    outage turn in memory only. Serve stops the old replicas one by one, each gracefully
+    (its drain), and each hands what it holds to a replica that stays (the other old one,
+    then the new one, by Serve's rolling order here): both turns are read back at once,
+    still during the outage, and reach Redis when it returns. Without the drain the
+    first read after the redeploy finds nothing."""
+    from ray import serve
+
+    from deployments.dataplane.deployment import dataplane_deployment
+
+    tenant = tenant_name()
+    owners: dict[str, str] = {}  # replica actor -> a session it owns
+    for _ in range(64):
+        s = await new_session(dataplane, tenant)
+        owners.setdefault((await dataplane.stats.remote(shard_key=s.id))["actor_name"], s.id)
+        if len(owners) == 2:
+            break
+    assert len(owners) == 2, "the two replicas should each own one of 64 sessions"
+    sids = sorted(owners.values())
+    for s in sids:
+        await dataplane.append_turn.remote(tenant, s, 0, [{"role": "user", "content": "before"}], 1, shard_key=s)
+    config = AppConfig.model_validate(dataplane_args(redis_server.url))
+    args = config.model_dump(mode="json")
+    redis_server.stop()
+    try:
+        for s in sids:  # acknowledged into the owner's memory only
+            rec = await dataplane.append_turn.remote(tenant, s, 1, [{"role": "user", "content": "during"}], 1, shard_key=s)
+            assert rec.version == 2
+        # A new version with one replica (no `version` is set, so every run is a new
+        # one): Serve replaces both replicas, stopping each gracefully.
+        serve.run(dataplane_deployment(config).options(num_replicas=1).bind(args), name=APP_NAME, route_prefix=None)
+
+        async def one_left():
+            return _replica_states() == {"RUNNING": 1}
+
+        await wait_for(one_left, 60, 0.5)
+        for s in sids:  # the survivor has both, still during the outage
+            rec = await dataplane.get_session.remote(tenant, s, shard_key=s)
+            assert rec is not None and rec.version == 2, f"session {s} lost its outage turn: {rec}"
+            assert [m["content"] for m in rec.messages] == ["before", "during"]
+    finally:
+        redis_server.start()
+    try:
+        async def synced():
+            status = await dataplane.status.remote(shard_key=sids[0])
+            return not status["degraded"] and status["unsynced_sessions"] == 0
+
+        await wait_for(synced, 30)
+        for s in sids:
+            stored = redis_client.hgetall(keys.session_key(tenant, s))
+            assert int(stored[b"version"]) == 2 and b"during" in stored[b"messages"]
+    finally:
+        serve.run(dataplane_deployment(config).bind(args), name=APP_NAME, route_prefix=None)
+
+        async def two_again():
+            return _replica_states() == {"RUNNING": 2}
+
+        await wait_for(two_again, 60, 0.5)
+
+
 async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
     import ray
 

@@ -339,7 +339,7 @@ async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis
         assert (await dp.stats())["handoff_bytes_inline"] == sum(len(b) for b in blocks[:4])
         assert await dp.get_block_refs("io", hashes) is None
     finally:
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_put_of_a_list_of_block_arrays(redis_server):
@@ -353,7 +353,7 @@ async def test_put_of_a_list_of_block_arrays(redis_server):
         with pytest.raises(InvalidRequestError):
             await dp.put_blocks_packed("io", ["la", "lb", "lc"], arrays, [lengths[0], lengths[1], 5])
     finally:
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_an_l3_read_logs_where_its_time_went_at_debug(redis_server, caplog):
@@ -380,7 +380,7 @@ async def test_an_l3_read_logs_where_its_time_went_at_debug(redis_server, caplog
             lines[0],
         ), lines[0]
     finally:
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
@@ -395,7 +395,7 @@ async def test_packed_put_with_wrong_lengths_is_a_bad_request(redis_server):
             await dp.put_blocks_packed("io", ["a", "b"], data, [lengths[0] + lengths[1] + 1, -1])
         assert (await dp.stats())["l2_num_blocks"] == 0
     finally:
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_one(redis_server):
@@ -458,7 +458,7 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
             assert not await cache.exists(*[keys.block_key("kv", h) for h in hashes])
             assert not await durable.exists(keys.session_blocks_key("kv", sid))
         finally:
-            await dp.shutdown()
+            await dp.drain()
             await durable.aclose()
             await cache.aclose()
 
@@ -545,7 +545,7 @@ async def test_each_redis_server_degrades_alone(redis_server):
         finally:
             if not redis_server.running:
                 redis_server.start()
-            await dp.shutdown()
+            await dp.drain()
             await durable.aclose()
             await cache.aclose()
 
@@ -604,7 +604,7 @@ async def test_what_changes_while_it_is_written_back_is_written_too():
         finally:
             for go in releases:
                 go.set()
-            await dp.shutdown()
+            await dp.drain()
             await durable.aclose()
 
 

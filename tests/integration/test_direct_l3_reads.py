@@ -79,7 +79,7 @@ async def test_blocks_only_in_redis_are_handed_over_by_hash_in_order(redis_serve
         assert all(isinstance(src, list) for src, _ in segments)
         assert (await dp.stats())["get_hits_L3"] == 2
     finally:
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_the_worker_reads_l3_itself_and_the_data_plane_promotes_it(redis_server):
@@ -118,7 +118,7 @@ async def test_the_worker_reads_l3_itself_and_the_data_plane_promotes_it(redis_s
         assert [name for name, _ in handle.calls][-1] == "get_block_refs"
     finally:
         await reader.close()
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_a_torch_workers_l3_read_lands_in_its_kv_arena(redis_server):
@@ -154,7 +154,7 @@ async def test_a_torch_workers_l3_read_lands_in_its_kv_arena(redis_server):
     finally:
         kv_arena.uninstall()
         await reader.close()
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_a_corrupt_or_missing_l3_block_falls_back_to_the_data_plane(redis_server, redis_client, caplog):
@@ -185,7 +185,7 @@ async def test_a_corrupt_or_missing_l3_block_falls_back_to_the_data_plane(redis_
         assert connector.direct_l3["fallbacks"] == 2
     finally:
         await reader.close()
-        await dp.shutdown()
+        await dp.drain()
 
 
 async def test_a_worker_that_cannot_reach_redis_reads_through_the_data_plane(redis_server, caplog):
@@ -213,4 +213,4 @@ async def test_a_worker_that_cannot_reach_redis_reads_through_the_data_plane(red
         assert (await dp.stats())["get_hits_L3"] == 8
     finally:
         await unreachable.close()
-        await dp.shutdown()
+        await dp.drain()

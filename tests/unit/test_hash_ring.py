@@ -69,3 +69,37 @@ def test_same_owners_in_another_process_and_any_insertion_order():
         env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".",
     ).stdout.strip()
     assert out.split(",") == here
+
+
+def _choose(ring: HashRing, candidates: list[str], **kwargs) -> list[list[str]]:
+    """KeyAffinityRequestRouter's choice over replicas named ``candidates`` (its ranking
+    logic alone: the router's state is only its ring)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.dataplane.routing import KeyAffinityRequestRouter
+
+    router = SimpleNamespace(_ring=ring)
+    replicas = [SimpleNamespace(replica_id=name) for name in candidates]
+    ranked = asyncio.run(
+        KeyAffinityRequestRouter.choose_replicas(router, replicas, SimpleNamespace(kwargs=kwargs))
+    )
+    return [[r.replica_id for r in rank] for rank in ranked]
+
+
+def test_a_key_goes_to_its_owner_then_the_next_ones():
+    ring = HashRing(["a", "b", "c"])
+    key = next(k for k in (f"s{i}" for i in range(1000)) if ring.owner(k) == "a")
+    assert _choose(ring, ["a", "b", "c"], shard_key=key) == [[n] for n in ring.owners(key, 3)]
+
+
+def test_an_excluded_replica_takes_no_call_and_its_keys_go_to_their_next_owner():
+    """What a stopping data-plane replica's hand-over relies on (DataPlane.drain): never
+    back to itself, and to the replica that owns the key once it is gone."""
+    ring = HashRing(["a", "b", "c"])
+    key = next(k for k in (f"s{i}" for i in range(1000)) if ring.owner(k) == "a")
+    ranked = _choose(ring, ["a", "b", "c"], shard_key=key, exclude_replica="a")
+    assert ranked == [[n] for n in ring.owners(key, 3)[1:]]
+    assert ranked[0] == [HashRing(["b", "c"]).owner(key)]
+    assert _choose(ring, ["a", "b", "c"], exclude_replica="a") == [["b", "c"]]
+    assert _choose(ring, ["a"], shard_key=key, exclude_replica="a") == []

@@ -275,7 +275,7 @@ class ComputeConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict, description=ROLE_RESOURCES_DESCRIPTION)
     autoscaling: ComputeAutoscalingConfig = Field(default_factory=ComputeAutoscalingConfig)
     # A replica that Serve stops (scale-down, redeploy) first finishes its requests, then
-    # flushes its KV exports to the data plane (ComputeWorker.__del__).
+    # flushes its KV exports to the data plane (ComputeWorker.drain, from __del__).
     graceful_shutdown_wait_loop_s: float = Field(
         default=0.5,
         gt=0,

@@ -164,7 +164,7 @@ class Server(IngressDeployment):
         except BaseException:
             # Serve retries a replica whose constructor failed: do not leave this one's
             # engine (vLLM's processes) behind.
-            await worker.__del__()
+            await worker.drain()
             raise
         logger.info("Server ready: the ingress and its ComputeWorker in one process")
 
@@ -199,7 +199,7 @@ class Server(IngressDeployment):
         worker = getattr(self, "_local_worker", None)
         try:
             if worker is not None:
-                await worker.__del__()
+                await worker.drain()
         finally:
             await super().__del__()  # the ASGI app's lifespan shutdown
 

@@ -72,6 +72,7 @@ class ComputeWorker:
         dataplane: Optional[DeploymentHandle] = None,
         engine_factory: Optional[Callable[..., Engine]] = None,
     ):
+        self._drain_started = False
         self._config = AppConfig.model_validate(config)
         telemetry.setup(self._config.telemetry, "compute-worker")
         self._tracer = telemetry.tracer(__name__)
@@ -443,13 +444,24 @@ class ComputeWorker:
             "num_waiting": float(stats.num_waiting),
         }
 
-    async def __del__(self):
-        """Serve calls this when it stops the replica, after its in-flight requests finished
-        (graceful drain, ``compute.graceful_shutdown_*``). The engine stops, then every KV
-        export still under way (the torch engine exports a finished request's blocks in the
-        background) is flushed to the data plane, so the sessions this replica served keep
-        their prefix on another replica. vLLM's connector saves synchronously per step:
-        nothing is pending there."""
+    def __del__(self):
+        """Serve calls this when it stops the replica, after its in-flight requests
+        finished (graceful drain, ``compute.graceful_shutdown_*``), and awaits what it
+        returns: :meth:`drain`. A plain method that returns the coroutine rather than
+        ``async def``: Python's garbage collector calls ``__del__`` too, on every worker
+        made outside Serve (tests, tools), where an ``async def`` would leave a
+        never-awaited coroutine. (In an ingress with its worker, ``Server.__del__`` calls
+        :meth:`drain` itself.)"""
+        if getattr(self, "_drain_started", True) or not _in_serve_replica():
+            return None
+        return self.drain()
+
+    async def drain(self):
+        """The engine stops, then every KV export still under way (the torch engine
+        exports a finished request's blocks in the background) is flushed to the data
+        plane, so the sessions this replica served keep their prefix on another replica.
+        vLLM's connector saves synchronously per step: nothing is pending there."""
+        self._drain_started = True
         started = time.monotonic()
         pending = self._pending_kv_exports()
         await self._engine.shutdown()  # waits for the engine's own export tasks
@@ -574,10 +586,19 @@ def replica_count_options(config: AppConfig) -> dict:
     return {"autoscaling_config": autoscaling}
 
 
+def _in_serve_replica() -> bool:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context() is not None
+    except Exception:
+        return False
+
+
 def drain_options(config: AppConfig) -> dict:
     """How Serve stops a replica (scale-down, redeploy): it stops routing to it, waits for
-    its in-flight requests (checking every ``wait_loop_s``), then calls ``__del__``, which
-    flushes the KV exports; all within ``timeout_s``, after which Serve kills it."""
+    its in-flight requests (checking every ``wait_loop_s``), then calls ``__del__``, whose
+    ``drain`` flushes the KV exports; all within ``timeout_s``, after which Serve kills it."""
     return {
         "graceful_shutdown_wait_loop_s": config.compute.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": config.compute.graceful_shutdown_timeout_s,

@@ -97,7 +97,7 @@ def test_shutdown_waits_for_pending_kv_saves_and_logs_the_drain():
         serve_logger.addHandler(records)
         serve_logger.setLevel(logging.INFO)
         try:
-            await worker.__del__()
+            await worker.drain()
         finally:
             serve_logger.removeHandler(records)
             serve_logger.setLevel(level)

@@ -1,4 +1,5 @@
-"""Serve handle calls that run side by side within one request.
+"""Serve's context for our code: handle calls that run side by side within one request
+(:func:`spawn`), and the stop of a replica (:class:`DrainsOnStop`).
 
 A handle call made while a replica serves a request carries that request's internal id
 (``RequestMetadata.internal_request_id``), and Serve's router hands each replica it picks
@@ -16,7 +17,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from typing import Coroutine
+from typing import Coroutine, Optional
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,3 +42,29 @@ def own_call_context() -> contextvars.Context:
 def spawn(coro: Coroutine) -> asyncio.Task:
     """``coro`` as a task whose Serve handle calls carry an internal id of their own."""
     return asyncio.get_running_loop().create_task(coro, context=own_call_context())
+
+
+def in_serve_replica() -> bool:
+    """True inside a Serve replica (with Ray 2.60's replica context)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context() is not None
+    except Exception:  # noqa: BLE001 - no Ray, or not in a replica
+        return False
+
+
+class DrainsOnStop:
+    """``__del__`` for a deployment class whose work on stopping is ``async def drain()``
+    (which sets ``self._drain_started``). Serve calls ``__del__`` when it stops the
+    replica, after the calls in flight finished, and awaits what it returns (Ray 2.60's
+    destructor call awaits a coroutine that ``__del__`` returns): here ``drain()``. A plain
+    method rather than ``async def``, because Python's garbage collector calls
+    ``__del__`` too, on every instance made outside Serve (tests, tools), where an
+    ``async def`` would leave a never-awaited coroutine each time; there, and once the
+    drain has begun, it returns None."""
+
+    def __del__(self) -> Optional[Coroutine]:
+        if getattr(self, "_drain_started", True) or not in_serve_replica():
+            return None
+        return self.drain()

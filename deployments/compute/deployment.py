@@ -22,6 +22,7 @@ from app import telemetry
 from app.config import AppConfig
 from app.host_memory import HeapPrefault
 from app.object_store import Prefault
+from app.serve_context import DrainsOnStop
 from deployments.compute.engines import create_engine
 from deployments.compute.engines.kv import Ewma
 from deployments.compute.engines.protocol import (
@@ -63,7 +64,7 @@ def _process_age_s() -> float:
         return float("nan")
 
 
-class ComputeWorker:
+class ComputeWorker(DrainsOnStop):
     """Serve deployment class (bound in ``app.builder``)."""
 
     async def __init__(
@@ -444,23 +445,13 @@ class ComputeWorker:
             "num_waiting": float(stats.num_waiting),
         }
 
-    def __del__(self):
-        """Serve calls this when it stops the replica, after its in-flight requests
-        finished (graceful drain, ``compute.graceful_shutdown_*``), and awaits what it
-        returns: :meth:`drain`. A plain method that returns the coroutine rather than
-        ``async def``: Python's garbage collector calls ``__del__`` too, on every worker
-        made outside Serve (tests, tools), where an ``async def`` would leave a
-        never-awaited coroutine. (In an ingress with its worker, ``Server.__del__`` calls
-        :meth:`drain` itself.)"""
-        if getattr(self, "_drain_started", True) or not _in_serve_replica():
-            return None
-        return self.drain()
-
     async def drain(self):
-        """The engine stops, then every KV export still under way (the torch engine
-        exports a finished request's blocks in the background) is flushed to the data
-        plane, so the sessions this replica served keep their prefix on another replica.
-        vLLM's connector saves synchronously per step: nothing is pending there."""
+        """What Serve's stop of the replica runs (``DrainsOnStop.__del__``; in an ingress
+        with its worker, ``Server.__del__`` calls it). The engine stops, then every KV
+        export still under way (the torch engine exports a finished request's blocks in
+        the background) is flushed to the data plane, so the sessions this replica served
+        keep their prefix on another replica. vLLM's connector saves synchronously per
+        step: nothing is pending there."""
         self._drain_started = True
         started = time.monotonic()
         pending = self._pending_kv_exports()
@@ -584,15 +575,6 @@ def replica_count_options(config: AppConfig) -> dict:
             ),
         )
     return {"autoscaling_config": autoscaling}
-
-
-def _in_serve_replica() -> bool:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context() is not None
-    except Exception:
-        return False
 
 
 def drain_options(config: AppConfig) -> dict:

@@ -52,6 +52,7 @@ from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from app.host_memory import minor_faults
 from app.object_store import Prefault
+from app.serve_context import DrainsOnStop
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
@@ -205,7 +206,7 @@ class _Metrics:
             getattr(self, name).observe(value, tags=tags)
 
 
-class DataPlane:
+class DataPlane(DrainsOnStop):
     """Serve deployment class (bound by ``dataplane_deployment``)."""
 
     def __init__(
@@ -321,18 +322,10 @@ class DataPlane:
                 self._cfg.l2_capacity_bytes, int(store),
             )
 
-    def __del__(self):
-        """Serve calls this when it stops the replica (scale-down, redeploy, node drain),
-        after the calls in flight finished, and awaits what it returns: :meth:`drain`.
-        A plain method that returns the coroutine rather than ``async def``: Python's
-        garbage collector calls ``__del__`` too, on every DataPlane made outside Serve
-        (tests, tools), where an ``async def`` would leave a never-awaited coroutine."""
-        if getattr(self, "_drain_started", True) or not self._started or self._replica_key() is None:
-            return None
-        return self.drain()
-
     async def drain(self) -> dict:
-        """Leave nothing that only this replica's memory holds, within
+        """What Serve's stop of the replica (scale-down, redeploy, node drain) runs, after
+        the calls in flight finished (``DrainsOnStop.__del__``). Leave nothing that only
+        this replica's memory holds, within
         ``dataplane.drain_timeout_s``. First write it back: blocks not yet written
         behind, and what a Redis outage kept in memory (turns, creates and deletes of
         sessions, their block lists, blocks a delete could not erase), if the server
@@ -490,9 +483,7 @@ class DataPlane:
             if session_id is not None and not self._degraded[SESSIONS]:
                 await self._redis(SESSIONS, self._resync_sessions)
             if blocks_to_delete and not self._degraded[KV]:
-                done = set(self._blocks_to_delete.get(tenant, ()))
-                await self._redis(KV, self._store.delete_member_blocks, tenant, sorted(done))
-                _settle(self._blocks_to_delete, tenant, done)
+                await self._redis(KV, self._delete_due_blocks)
         except RedisUnavailable:
             pass  # marked degraded by _redis: the reconnect loop takes over
 
@@ -581,10 +572,7 @@ class DataPlane:
             if SESSIONS in roles:
                 await self._resync_sessions()
             if KV in roles:
-                for tenant, members in list(self._blocks_to_delete.items()):
-                    done = set(members)
-                    await self._store.delete_member_blocks(tenant, sorted(done))
-                    _settle(self._blocks_to_delete, tenant, done)
+                await self._delete_due_blocks()
                 await self._write_dirty_blocks()
             left = (SESSIONS in roles and (self._deleted_sessions or self._dirty_sessions or self._pending_session_blocks)) or (
                 KV in roles and (self._blocks_to_delete or self._l2.dirty)
@@ -592,6 +580,13 @@ class DataPlane:
             if not left:
                 self._set_degraded(server, False)
                 return
+
+    async def _delete_due_blocks(self) -> None:
+        """Erase from the KV server the blocks of deleted sessions that it missed."""
+        for tenant, members in list(self._blocks_to_delete.items()):
+            done = set(members)
+            await self._store.delete_member_blocks(tenant, sorted(done))
+            _settle(self._blocks_to_delete, tenant, done)
 
     async def _resync_sessions(self) -> None:
         # Requests keep changing memory during each await here (the flag is still up):

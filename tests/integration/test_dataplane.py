@@ -17,6 +17,7 @@ from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, encode_block
 from deployments.dataplane.connector import DataPlaneKVConnector
 from deployments.dataplane.types import new_session_id
+from tests.fixtures.polling import eventually
 from tests.fixtures.redis import redis_client, redis_server  # noqa: F401  (until conftest wires the plugin)
 
 pytestmark = pytest.mark.integration
@@ -83,17 +84,6 @@ def tenant_name() -> str:
 async def new_session(dp, tenant: str, **kwargs):
     sid = new_session_id()
     return await dp.create_session.remote(tenant, session_id=sid, shard_key=sid, **kwargs)
-
-
-async def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval_s)
 
 
 async def test_session_create_get_append_delete(dataplane, redis_client):  # noqa: F811
@@ -285,7 +275,7 @@ async def test_delete_session_erases_l2_and_l3(dataplane, redis_client):  # noqa
     async def written():
         return len(l3_keys()) == 6
 
-    await wait_for(written, 10)  # write-behind reached Redis
+    await eventually(written, 10)  # write-behind reached Redis
     assert redis_client.scard(keys.session_blocks_key(tenant, sid)) == 3
     assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])).tier == TIER_L2
 
@@ -424,7 +414,7 @@ async def test_chain_roots_are_published_for_the_routers_index(dataplane, redis_
     async def published():
         return redis_client.zrange(key, 0, -1, withscores=True)
 
-    await wait_for(published, 10)
+    await eventually(published, 10)
     await asyncio.sleep(1.0)  # four publish periods: both saves are published by now
     rows = await published()
     assert [r for r, _ in rows] == [hashes[0].encode()], rows  # the continuation's root too
@@ -450,7 +440,7 @@ async def test_chain_roots_are_published_for_the_routers_index(dataplane, redis_
         score = redis_client.zscore(key, hashes[0])
         return score is not None and score > first_score
 
-    await wait_for(refreshed, 10)
+    await eventually(refreshed, 10)
     # Pruned past the TTL: an entry scored long ago goes with the next publish.
     redis_client.zadd(key, {"ancient-root": time.time() - 10 * 86_400})
     conn.save(tenant, other, make_blocks(tenant, 1, seed=8)[1])
@@ -459,7 +449,7 @@ async def test_chain_roots_are_published_for_the_routers_index(dataplane, redis_
     async def pruned():
         return redis_client.zscore(key, "ancient-root") is None and redis_client.zscore(key, other[0]) is not None
 
-    await wait_for(pruned, 10)
+    await eventually(pruned, 10)
     assert redis_client.ttl(key) > 0
     await close()
 
@@ -517,7 +507,7 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
                 return False
         return True
 
-    await wait_for(recovered, 30)
+    await eventually(recovered, 30)
     stored = redis_client.hgetall(keys.session_key(tenant, sid))
     assert int(stored[b"version"]) == 6
     assert b"during-5" in stored[b"messages"] and b"before" in stored[b"messages"]
@@ -529,7 +519,7 @@ async def test_redis_outage_degrades_and_resyncs(dataplane, redis_server, redis_
     async def root_published():  # kept through the outage, published once it ended
         return redis_client.zscore(keys.kv_roots_key(tenant), hashes[0]) is not None
 
-    await wait_for(root_published, 10)
+    await eventually(root_published, 10)
     # And the session continues normally, through Redis again.
     rec = await dataplane.append_turn.remote(tenant, sid, 6, [{"role": "user", "content": "after"}], 1, shard_key=sid)
     assert rec.version == 7
@@ -578,7 +568,7 @@ async def test_a_replica_stopped_during_an_outage_hands_its_turns_over(dataplane
         async def one_left():
             return _replica_states() == {"RUNNING": 1}
 
-        await wait_for(one_left, 60, 0.5)
+        await eventually(one_left, 60, 0.5)
         for s in sids:  # the survivor has both, still during the outage
             rec = await dataplane.get_session.remote(tenant, s, shard_key=s)
             assert rec is not None and rec.version == 2, f"session {s} lost its outage turn: {rec}"
@@ -590,7 +580,7 @@ async def test_a_replica_stopped_during_an_outage_hands_its_turns_over(dataplane
             status = await dataplane.status.remote(shard_key=sids[0])
             return not status["degraded"] and status["unsynced_sessions"] == 0
 
-        await wait_for(synced, 30)
+        await eventually(synced, 30)
         for s in sids:
             stored = redis_client.hgetall(keys.session_key(tenant, s))
             assert int(stored[b"version"]) == 2 and b"during" in stored[b"messages"]
@@ -600,7 +590,7 @@ async def test_a_replica_stopped_during_an_outage_hands_its_turns_over(dataplane
         async def two_again():
             return _replica_states() == {"RUNNING": 2}
 
-        await wait_for(two_again, 60, 0.5)
+        await eventually(two_again, 60, 0.5)
 
 
 async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
@@ -613,7 +603,7 @@ async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
         return not (await dataplane.status.remote(shard_key=sid))["degraded"]
 
     # Only turns acknowledged while Redis is reachable are promised to survive.
-    await wait_for(owner_connected, 30)
+    await eventually(owner_connected, 30)
     await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
     for v in range(3):
         await dataplane.append_turn.remote(tenant, sid, v, [{"role": "user", "content": f"t{v}"}], 1, shard_key=sid)
@@ -627,7 +617,7 @@ async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
         except Exception:  # the dead replica until Serve notices
             return None
 
-    rec = await wait_for(read_back, 60, 0.5)
+    rec = await eventually(read_back, 60, 0.5)
     assert [m["content"] for m in rec.messages] == ["t0", "t1", "t2"] and rec.version == 3
     # Serve replaces the replica; the pool is whole again.
     async def replaced():
@@ -635,7 +625,7 @@ async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
         stats = await dataplane.stats.remote(shard_key=sid)
         return s is not None and stats["actor_name"] != owner["actor_name"]
 
-    await wait_for(replaced, 60, 0.5)
+    await eventually(replaced, 60, 0.5)
 
 
 async def test_store_password_from_env_and_exact_message_roundtrip():

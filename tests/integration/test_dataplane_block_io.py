@@ -27,6 +27,7 @@ from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
 from tests.fixtures.logs import messages_containing, serve_log_captured
+from tests.fixtures.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -463,13 +464,6 @@ async def test_kv_blocks_on_their_own_cache_redis_and_sessions_on_the_durable_on
             await cache.aclose()
 
 
-async def _until(predicate, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 async def test_each_redis_server_degrades_alone(redis_server):
     """With blocks on their own server, an outage of one server keeps the other's data
     going to Redis: during a KV outage every acknowledged turn is in the sessions server at
@@ -492,13 +486,13 @@ async def test_each_redis_server_degrades_alone(redis_server):
                 await dp.create_session("deg", session_id=s, ttl_s=600)
             old = [f"old{i}" for i in range(3)]
             assert await dp.put_blocks_packed("deg", old, *pack_blocks([block(1000, i) for i in range(3)]), session_id=gone) == 3
-            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in old]))
+            await eventually(lambda: cache.exists(*[keys.block_key("deg", h) for h in old]))
 
             kv_server.stop()
             hashes = [f"new{i}" for i in range(4)]
             blocks = [block(2000, 10 + i) for i in range(4)]
             assert await dp.put_blocks_packed("deg", hashes, *pack_blocks(blocks), session_id=sid) == 4
-            await _until(lambda: down(["kv"]))
+            await eventually(lambda: down(["kv"]))
             rec = await dp.append_turn("deg", sid, 0, [{"role": "user", "content": "during kv outage"}], 3)
             assert rec.version == 1
             stored = await durable.hgetall(keys.session_key("deg", sid))
@@ -512,7 +506,7 @@ async def test_each_redis_server_degrades_alone(redis_server):
             assert (await dp.get_session("deg", sid)).version == 1
 
             kv_server.start()
-            await _until(lambda: down([]))
+            await eventually(lambda: down([]))
             await cache.aclose()
             cache = aioredis.Redis.from_url(kv_server.url)  # its connections died with the server
             for h, b in zip(hashes, blocks):
@@ -526,18 +520,18 @@ async def test_each_redis_server_degrades_alone(redis_server):
             rec = await dp.append_turn("deg", sid, 1, [{"role": "user", "content": "during sessions outage"}], 3)
             assert rec.version == 2
             assert await down(["sessions"])
-            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in more]))  # still written behind
+            await eventually(lambda: cache.exists(*[keys.block_key("deg", h) for h in more]))  # still written behind
             assert (await dp.status())["unsynced_sessions"] == 1
             # A session deleted now: its blocks (listed only in memory so far) leave the
             # KV server at once; the session itself once its server is back.
             pend = ["pend0", "pend1"]
             assert await dp.put_blocks_packed("deg", pend, *pack_blocks([block(500, 40), block(500, 41)]), session_id=later) == 2
-            await _until(lambda: cache.exists(*[keys.block_key("deg", h) for h in pend]))
+            await eventually(lambda: cache.exists(*[keys.block_key("deg", h) for h in pend]))
             assert await dp.delete_session("deg", later) is True
             assert not await cache.exists(*[keys.block_key("deg", h) for h in pend])
 
             redis_server.start()
-            await _until(lambda: down([]))
+            await eventually(lambda: down([]))
             await durable.aclose()
             durable = aioredis.Redis.from_url(redis_server.url)
             assert int(await durable.hget(keys.session_key("deg", sid), "version")) == 2
@@ -595,7 +589,7 @@ async def test_what_changes_while_it_is_written_back_is_written_too():
             assert await dp.put_blocks_packed("wb", ["wb2"], *pack_blocks([block(500, 3)]), session_id=sid) == 1
             list_go.set()
 
-            await _until(lambda: _degraded(dp, False))
+            await eventually(lambda: _degraded(dp, False))
             stored = await durable.hgetall(keys.session_key("wb", sid))
             assert int(stored[b"version"]) == 2 and b"t1" in stored[b"messages"]
             listed = await durable.smembers(keys.session_blocks_key("wb", sid))

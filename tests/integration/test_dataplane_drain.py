@@ -12,10 +12,8 @@ keywords. Through real Serve replicas the same path runs in
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -28,6 +26,7 @@ from deployments.dataplane.blocks import BlockHeader, encode_block, pack_blocks
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisUnavailable
 from tests.fixtures.logs import messages_containing, serve_log_captured
+from tests.fixtures.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -102,13 +101,6 @@ async def pool(*, a_reconnect_interval_s: float = 0.1, peer: bool = True):
                 await a.drain()
 
 
-async def _until(predicate, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 def sid(c: str) -> str:
     return "sess_" + c * 32
 
@@ -151,7 +143,7 @@ async def test_a_stopping_replica_hands_its_outage_turns_and_deletes_to_the_next
         assert status["degraded"] is True and status["unsynced_sessions"] == 3
 
         p.server.start()
-        await _until(lambda: _synced(b))
+        await eventually(lambda: _synced(b))
         stored = await p.stored(sid("a"))
         assert int(stored[b"version"]) == 2 and b"during" in stored[b"messages"] and b"before" in stored[b"messages"]
         assert int((await p.stored(sid("c")))[b"version"]) == 1
@@ -175,9 +167,9 @@ async def test_a_replica_that_takes_over_while_redis_is_up_writes_it_back_at_onc
         await a.create_session(TENANT, session_id=sid("d"), ttl_s=600)
         p.server.stop()
         await a.append_turn(TENANT, sid("d"), 0, [{"role": "user", "content": "kept"}], 1)
-        await _until(lambda: _degraded(b))
+        await eventually(lambda: _degraded(b))
         p.server.start()
-        await _until(lambda: _synced(b))
+        await eventually(lambda: _synced(b))
 
         async def unreachable(role):  # a still cannot reach it
             raise RedisUnavailable("simulated: this replica's network to Redis is down")

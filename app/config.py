@@ -537,6 +537,17 @@ class DataPlaneConfig(_Strict):
         "cannot take yet to the replicas that own those sessions next. Serve's graceful "
         "shutdown timeout of the deployment is this plus 5 s.",
     )
+    outage_backup_timeout_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="While the sessions Redis is unreachable, a replica acknowledges a "
+        "session change (create, turn, delete) that only its memory holds after a copy "
+        "reached the replica that owns the session once this one is gone, so that a crash "
+        "of this one during the outage loses no acknowledged turn. It waits this long for "
+        "that copy, then acknowledges anyway (counted in llm_dataplane_outage_backups and "
+        "logged). 0: no copies.",
+    )
     root_index_sync_ms: int = Field(
         default=250,
         ge=0,

@@ -23,8 +23,12 @@ A replica that Serve stops (scale-down, redeploy, node drain) drains first
 (:meth:`DataPlane.drain`): it writes back what Redis takes, and hands a sessions outage's
 turns and deletes to the replica that owns each session once it is gone (:meth:`adopt`,
 routed by the session's key with this replica excluded), which serves them from memory
-and writes them back when Redis returns. Only a crash during an outage, or stopping the
-whole pool during one, loses them (the latter names them in an ERROR line).
+and writes them back when Redis returns. A crash cannot drain: so during an outage each
+session change is acknowledged only once that same next owner holds a copy
+(:meth:`back_up`, within ``dataplane.outage_backup_timeout_s``); it writes the copy back
+too, and Redis keeps the newer version (and a deleted session's tombstone refuses a stale
+copy). Only a crash of both, a copy that did not arrive in time, or stopping the whole
+pool during an outage loses such changes (the last names them in an ERROR line).
 
 Where L2 lives: under Ray, the blocks of one put (or of one read from Redis) are copied
 once into one object in Ray's shared-memory object store, which this replica owns
@@ -188,6 +192,16 @@ class _Metrics:
         self.adopted_sessions = m.Counter(
             "llm_dataplane_adopted_sessions", "Sessions' unsynced state taken over from a stopping replica."
         )
+        self.outage_backups = m.Counter(
+            "llm_dataplane_outage_backups",
+            "Session changes made during a sessions-Redis outage, by whether a copy reached the "
+            "session's next owner before the change was acknowledged: sent, failed.",
+            tag_keys=("outcome",),
+        )
+        self.backup_sessions_taken = m.Counter(
+            "llm_dataplane_backup_sessions_taken",
+            "Copies of another replica's outage session changes this replica took (back_up).",
+        )
         self.append_replays = m.Counter(
             "llm_dataplane_session_append_replays",
             "Session appends made again after they had landed (same turn id), answered as their success.",
@@ -242,6 +256,11 @@ class DataPlane(DrainsOnStop):
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
         self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
         self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
+        # Copies of sessions another replica changed during an outage (back_up): written
+        # back like this replica's own, then dropped from memory (not ours to cache).
+        self._backups: set[SessionKey] = set()
+        self._backup_warned_at = 0.0
+        self._side_tasks: set[asyncio.Task] = set()
         self._pending_session_blocks: dict[SessionKey, set[str]] = defaultdict(set)
         # Per Redis server (SESSIONS: the durable one; KV: the blocks' one, the same
         # server unless dataplane.kv_redis is set): unreachable since when. A KV outage
@@ -462,19 +481,10 @@ class DataPlane(DrainsOnStop):
             self._blocks_to_delete[tenant].update(blocks_to_delete)
         if session_id is not None:
             key = (tenant, session_id)
-            if deleted:
-                self._sessions.pop(key, None)
-                self._dirty_sessions.discard(key)
-                self._deleted_sessions.add(key)
-            elif record is not None:
-                mine = self._sessions.get(key)
-                if mine is None or mine.version < record.version:
-                    self._sessions[key] = _copy(record)
-                    self._sessions.move_to_end(key)
-                    self._dirty_sessions.add(key)
-                    self._deleted_sessions.discard(key)
+            self._take(key, record, deleted)
             if block_members and key not in self._deleted_sessions:
                 self._pending_session_blocks[key].update(block_members)
+            self._backups.discard(key)  # ours now: the sender is gone
             self._m.inc("adopted_sessions")
         # Written back now where the server is up. Where it is down (or goes down
         # meanwhile, which marks it so) the reconnect loop's resync writes it once it
@@ -486,6 +496,96 @@ class DataPlane(DrainsOnStop):
                 await self._redis(KV, self._delete_due_blocks)
         except RedisUnavailable:
             pass  # marked degraded by _redis: the reconnect loop takes over
+
+    def _take(self, key: SessionKey, record: Optional[SessionRecord], deleted: bool) -> None:
+        """Merge another replica's unsynced state of one session into this one's: a delete
+        wins over any record (ids are never used twice), else the newer version."""
+        if deleted:
+            self._sessions.pop(key, None)
+            self._dirty_sessions.discard(key)
+            self._deleted_sessions.add(key)
+        elif record is not None and key not in self._deleted_sessions:
+            mine = self._sessions.get(key)
+            if mine is None or mine.version < record.version:
+                self._sessions[key] = _copy(record)
+                self._sessions.move_to_end(key)
+                self._dirty_sessions.add(key)
+
+    async def back_up(
+        self,
+        tenant: str,
+        session_id: str,
+        *,
+        record: Optional[SessionRecord] = None,
+        deleted: bool = False,
+        shard_key: Optional[str] = None,
+        exclude_replica: Optional[str] = None,
+    ) -> None:
+        """Keep a copy of a session change that the replica owning the session made
+        during a sessions outage (:meth:`_back_up`), routed here because this replica
+        owns the session once that one is gone. The copy is written back like this
+        replica's own changes (Redis keeps the newer version; a tombstone refuses a
+        deleted session), and serves the session if its owner crashes meanwhile."""
+        await self.start()
+        key = (tenant, session_id)
+        self._take(key, record, deleted)
+        self._backups.add(key)
+        self._m.inc("backup_sessions_taken")
+        if not self._degraded[SESSIONS]:
+            # The sender found Redis down and this replica has not (yet): try now, off
+            # the sender's wait; a failure marks it down and the reconnect loop retries.
+            task = asyncio.get_running_loop().create_task(self._write_back_now())
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def _write_back_now(self) -> None:
+        try:
+            await self._redis(SESSIONS, self._resync_sessions)
+        except RedisUnavailable:
+            pass
+        except Exception:  # noqa: BLE001 - the reconnect loop writes it later
+            logger.exception("DataPlane: writing back a session copy failed")
+
+    async def _back_up(self, tenant: str, session_id: str, *, record: Optional[SessionRecord] = None, deleted: bool = False) -> None:
+        """Before a change that only this replica's memory holds (a sessions outage) is
+        acknowledged: a copy on the replica that owns the session once this one is gone
+        (:meth:`back_up`), so that this replica's crash loses no acknowledged turn.
+        Best effort within ``dataplane.outage_backup_timeout_s``: with one replica, or
+        none answering in time, the change is acknowledged anyway (counted, logged)."""
+        timeout = self._cfg.outage_backup_timeout_s
+        if timeout <= 0 or self._cfg.num_replicas < 2:
+            return
+        handle, me = self._peers, self._replica_key()
+        if handle is None or me is None:
+            return
+        call = None
+        with self._tracer.start_as_current_span(
+            "dataplane.outage_backup", attributes={"llm.session.deleted": deleted}
+        ) as span:
+            try:
+                async with asyncio.timeout(timeout):
+                    call = handle.back_up.remote(
+                        tenant, session_id, record=record, deleted=deleted,
+                        shard_key=session_id, exclude_replica=me,
+                    )
+                    await call
+            except Exception as e:  # noqa: BLE001 - acknowledged anyway: counted and logged
+                cancel = getattr(call, "cancel", None)
+                if cancel is not None:
+                    cancel()
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(e).__name__))
+                self._m.inc("outage_backups", tags={"outcome": "failed"})
+                now = time.monotonic()
+                if now - self._backup_warned_at >= 10:
+                    self._backup_warned_at = now
+                    logger.warning(
+                        "DataPlane: no other replica took a copy of session %s's change within "
+                        "%.1fs (%s); it is acknowledged with this replica's memory as its only "
+                        "copy until Redis is back (further failures within 10 s are only counted)",
+                        session_id, timeout, str(e) or type(e).__name__,
+                    )
+                return
+        self._m.inc("outage_backups", tags={"outcome": "sent"})
 
     # -- degraded mode ----------------------------------------------------------------
 
@@ -592,7 +692,9 @@ class DataPlane(DrainsOnStop):
         # Requests keep changing memory during each await here (the flag is still up):
         # what is marked done after a write is only what that write carried.
         for key in list(self._deleted_sessions):
-            await self._delete_stored_session(*key, set())
+            # A tombstone even where Redis has no record (created during the outage): a
+            # copy on another replica (back_up) must not bring the session back.
+            await self._delete_stored_session(*key, set(), tombstone_s=self._cfg.sessions.cache_ttl_s)
             self._deleted_sessions.discard(key)  # a repeat meanwhile is done by this one
         for key in list(self._dirty_sessions):
             rec = self._sessions.get(key)
@@ -607,13 +709,20 @@ class DataPlane(DrainsOnStop):
             done = set(members)
             await self._store.add_session_blocks(key[0], key[1], sorted(done), self._cfg.sessions.cache_ttl_s)
             _settle(self._pending_session_blocks, key, done)
+        for key in list(self._backups):
+            if key not in self._dirty_sessions and key not in self._deleted_sessions:
+                # Written back: the owner serves it from Redis; a copy kept here would be
+                # stale by its next turn.
+                self._backups.discard(key)
+                self._sessions.pop(key, None)
 
-    async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str]) -> bool:
-        """Delete a session from the sessions server: its record, then its blocks (those
+    async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str], *, tombstone_s: int = 0) -> bool:
+        """Delete a session from the sessions server: its record (a tombstone in its
+        place; ``tombstone_s``: see ``RedisStore.delete_session``), then its blocks (those
         listed there, added to ``members``, and those already in it) from the KV server,
         then the list (the blocks before their list: the list is what finds them). True
         if the record existed. Raises RedisUnavailable when the sessions server fails."""
-        existed = await self._store.delete_session(tenant, session_id)
+        existed = await self._store.delete_session(tenant, session_id, tombstone_s=tombstone_s)
         members.update(await self._store.session_block_members(tenant, session_id))
         await self._erase_member_blocks(tenant, members)
         await self._store.forget_session_blocks(tenant, session_id)
@@ -1193,18 +1302,20 @@ class DataPlane(DrainsOnStop):
             ttl_s=ttl,
         )
         key = (tenant, rec.id)
+        in_memory_only = False
         try:
             created = await self._redis(SESSIONS, self._store.create_session, rec)
         except RedisUnavailable:
-            if self._memory_session(tenant, rec.id) is not None:
-                created = False
-            else:
-                created = True
+            # A deleted id stays taken, as its tombstone keeps it in Redis.
+            created = self._memory_session(tenant, rec.id) is None and key not in self._deleted_sessions
+            if created:
+                in_memory_only = True
                 self._dirty_sessions.add(key)
-                self._deleted_sessions.discard(key)
         if not created:
             raise ConflictError(f"session {rec.id!r} already exists", param="session_id")
         self._cache_session(rec)
+        if in_memory_only:
+            await self._back_up(tenant, rec.id, record=rec)
         return _copy(rec)
 
     async def get_session(
@@ -1221,7 +1332,7 @@ class DataPlane(DrainsOnStop):
             rec = self._memory_session(tenant, session_id)
             if rec is None:
                 if not known:
-                    raise self._unknown_in_outage(session_id) from None
+                    raise self._unknown_in_outage(session_id, "read") from None
                 return None
             rec.expires_at = time.time() + rec.ttl_s
             return _copy(rec)
@@ -1266,7 +1377,9 @@ class DataPlane(DrainsOnStop):
                 turn_id=turn_id,
             )
         except RedisUnavailable:
-            return self._append_in_memory(tenant, session_id, expected_version, messages, num_tokens, turn_id)
+            rec = self._append_in_memory(tenant, session_id, expected_version, messages, num_tokens, turn_id)
+            await self._back_up(tenant, session_id, record=rec)
+            return rec
         if result.status == "missing":
             self._sessions.pop(key, None)
             raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
@@ -1299,12 +1412,12 @@ class DataPlane(DrainsOnStop):
         return rec
 
     @staticmethod
-    def _unknown_in_outage(session_id: str) -> ServiceUnavailableError:
+    def _unknown_in_outage(session_id: str, what: str) -> ServiceUnavailableError:
         """The sessions Redis is down and this replica holds nothing of the session: it
         may well exist (in Redis, or on its way here from a replica being stopped, see
         ``drain``), so not a 404, which would tell the client its conversation is gone."""
         return ServiceUnavailableError(
-            f"session {session_id!r} cannot be read now: the session store is unreachable "
+            f"session {session_id!r} cannot be {what} now: the session store is unreachable "
             "and this server holds no copy of it; retry shortly",
             headers={"Retry-After": "1"},
         )
@@ -1333,7 +1446,7 @@ class DataPlane(DrainsOnStop):
         rec = self._memory_session(tenant, session_id)
         if rec is None:
             if not known:
-                raise self._unknown_in_outage(session_id)
+                raise self._unknown_in_outage(session_id, "changed")
             raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
         if rec.version != expected_version:
             if turn_id and rec.version == expected_version + 1 and rec.last_turn_id == turn_id:
@@ -1361,6 +1474,7 @@ class DataPlane(DrainsOnStop):
         and L3. True if it existed."""
         await self.start()
         key = (tenant, session_id)
+        known = key in self._sessions or key in self._deleted_sessions
         existed = self._memory_session(tenant, session_id) is not None
         self._sessions.pop(key, None)
         self._dirty_sessions.discard(key)
@@ -1368,9 +1482,17 @@ class DataPlane(DrainsOnStop):
         try:
             existed = await self._redis(SESSIONS, self._delete_stored_session, tenant, session_id, members) or existed
         except RedisUnavailable:
+            if not known:
+                # Whether it exists is Redis's to say: no 404, and nothing recorded.
+                if members:
+                    self._pending_session_blocks[key].update(members)
+                raise self._unknown_in_outage(session_id, "deleted") from None
+            first = key not in self._deleted_sessions
             self._deleted_sessions.add(key)  # the rest once the server is back
             # The blocks known now (those not yet listed in Redis included) go at once.
             await self._erase_member_blocks(tenant, members)
+            if first:
+                await self._back_up(tenant, session_id, deleted=True)
         await self._drop_blocks_everywhere(tenant, members)
         return existed
 
@@ -1422,6 +1544,8 @@ class DataPlane(DrainsOnStop):
             "degraded_servers": down,
             "degraded_since": min((self._degraded_since[n] for n in down), default=None),
             "unsynced_sessions": len(self._dirty_sessions) + len(self._deleted_sessions),
+            # Of those, copies of another replica's outage changes (back_up).
+            "backup_sessions": len(self._backups),
             "unsynced_blocks": len(self._l2.dirty) + sum(len(m) for m in self._blocks_to_delete.values()),
         }
 

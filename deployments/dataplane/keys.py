@@ -3,7 +3,8 @@ can never be named by another's request; tenant and ids are percent-quoted so a 
 them cannot forge another key. No braces: each key hashes to its own Redis Cluster slot
 (every script here touches one key, so no hash tags are needed).
 
-    llm:<tenant>:sess:<id>          hash   session record (see redis_store)
+    llm:<tenant>:sess:<id>          hash   session record (see redis_store); once deleted,
+                                           a tombstone (the one field ``deleted``)
     llm:<tenant>:sess:<id>:blocks   set    "<shard_key>|<block hash>" of the session's blocks
     llm:<tenant>:kv:<hash>          string encoded KV block (payload)
     llm:<tenant>:kvi:<hash>         string index entry: payload length; present ⇒ payload is

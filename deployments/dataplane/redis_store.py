@@ -86,7 +86,9 @@ class AppendResult:
 _APPEND = """
 -- KEYS[1] session; ARGV: expected_version, new messages (JSON array), num new messages,
 -- added tokens, now, max_messages, turn id ('' for none)
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
+  return {-1, 0}
+end
 local v = tonumber(redis.call('HGET', KEYS[1], 'version'))
 if v ~= tonumber(ARGV[1]) then
   -- This very turn, already applied (its first answer was lost): its success again.
@@ -114,7 +116,9 @@ return {v + 1, 0}
 
 _GET_AND_TOUCH = """
 -- KEYS[1] session; ARGV[1] now. Returns the fields after refreshing the expiry.
-if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then
+  return {}
+end
 local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl_s'))
 redis.call('HSET', KEYS[1], 'expires', tonumber(ARGV[1]) + ttl)
 redis.call('EXPIRE', KEYS[1], ttl)
@@ -122,7 +126,8 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 _CREATE = """
--- KEYS[1] session; ARGV[1] ttl_s, then field/value pairs. 0 if the id is taken.
+-- KEYS[1] session; ARGV[1] ttl_s, then field/value pairs. 0 if the id is taken (a
+-- deleted session's tombstone included: ids are never used twice).
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
@@ -132,13 +137,36 @@ return 1
 _PUT_IF_NEWER = """
 -- KEYS[1] session; ARGV[1] version, ARGV[2] ttl_s, then field/value pairs.
 -- Writes the record unless Redis holds the same or a newer version (resync after an
--- outage must never roll back a turn acknowledged by Redis).
+-- outage must never roll back a turn acknowledged by Redis) or the session's tombstone
+-- (a stale copy on another replica must not bring a deleted session back).
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'version')
 if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 return 1
+"""
+
+_DELETE = """
+-- KEYS[1] session; ARGV[1] seconds to keep a tombstone where there is no record (0: none).
+-- Replaces the record by a tombstone (the one field 'deleted') that lives as long as the
+-- record would have: a replica that kept a copy through a Redis outage (DataPlane.back_up)
+-- writes it back later with _PUT_IF_NEWER, which the tombstone refuses. 1 if a session
+-- was there.
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
+local keep = tonumber(ARGV[1])
+local live = redis.call('EXISTS', KEYS[1]) == 1
+if live then keep = tonumber(redis.call('HGET', KEYS[1], 'ttl_s')) or keep end
+if keep > 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'deleted', '1')
+  redis.call('EXPIRE', KEYS[1], keep)
+else
+  redis.call('DEL', KEYS[1])
+end
+if live then return 1 end
+return 0
 """
 
 
@@ -284,6 +312,7 @@ class RedisStore:
         self._get_touch = client.register_script(_GET_AND_TOUCH)
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
         self._create = client.register_script(_CREATE)
+        self._delete = client.register_script(_DELETE)
 
     @classmethod
     def from_config(
@@ -531,5 +560,9 @@ class RedisStore:
         return bool(written)
 
     @_unavailable
-    async def delete_session(self, tenant: str, session_id: str) -> bool:
-        return bool(await self._r.delete(keys.session_key(tenant, session_id)))
+    async def delete_session(self, tenant: str, session_id: str, *, tombstone_s: int = 0) -> bool:
+        """Delete the session's record, leaving a tombstone for as long as the record
+        would have lived (its ``ttl_s``); where there is no record, a tombstone of
+        ``tombstone_s`` seconds if that is > 0 (a session that only a replica's memory
+        held, deleted during an outage). True if a record was there."""
+        return bool(await self._delete(keys=[keys.session_key(tenant, session_id)], args=[int(tombstone_s)]))

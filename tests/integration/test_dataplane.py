@@ -18,7 +18,7 @@ from deployments.dataplane.blocks import BlockHeader, encode_block
 from deployments.dataplane.connector import DataPlaneKVConnector
 from deployments.dataplane.types import new_session_id
 from tests.fixtures.polling import eventually
-from tests.fixtures.redis import redis_client, redis_server  # noqa: F401  (until conftest wires the plugin)
+from tests.fixtures.redis import SESSION_TOMBSTONE, redis_client, redis_server  # noqa: F401  (until conftest wires the plugin)
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,7 @@ async def test_session_create_get_append_delete(dataplane, redis_client):  # noq
         await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
 
     assert await dataplane.delete_session.remote(tenant, sid, shard_key=sid) is True
-    assert not redis_client.exists(keys.session_key(tenant, sid))
+    assert redis_client.hgetall(keys.session_key(tenant, sid)) == SESSION_TOMBSTONE
     assert await dataplane.get_session.remote(tenant, sid, shard_key=sid) is None
     with pytest.raises(NotFoundError):
         await dataplane.append_turn.remote(tenant, sid, 2, [{"role": "user", "content": "x"}], 1, shard_key=sid)
@@ -282,7 +282,7 @@ async def test_delete_session_erases_l2_and_l3(dataplane, redis_client):  # noqa
     assert await dataplane.delete_session.remote(tenant, sid, shard_key=sid) is True
     assert l3_keys() == []
     assert not redis_client.exists(keys.session_blocks_key(tenant, sid))
-    assert not redis_client.exists(keys.session_key(tenant, sid))
+    assert redis_client.hgetall(keys.session_key(tenant, sid)) == SESSION_TOMBSTONE
     # Not in L2 either (the blocks' shard may be another replica than the session's).
     assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])).num_blocks == 0
 
@@ -611,21 +611,125 @@ async def test_killing_a_replica_loses_no_acknowledged_turn(dataplane):
     assert not owner["degraded"]
     ray.kill(ray.get_actor(owner["actor_name"], namespace="serve"), no_restart=True)
 
-    async def read_back():
-        try:
-            return await dataplane.get_session.remote(tenant, sid, shard_key=sid)
-        except Exception:  # the dead replica until Serve notices
-            return None
-
-    rec = await eventually(read_back, 60, 0.5)
+    rec = await eventually(lambda: _read_back(dataplane, tenant, sid), 60, 0.5)
     assert [m["content"] for m in rec.messages] == ["t0", "t1", "t2"] and rec.version == 3
     # Serve replaces the replica; the pool is whole again.
-    async def replaced():
-        s = await read_back()
-        stats = await dataplane.stats.remote(shard_key=sid)
-        return s is not None and stats["actor_name"] != owner["actor_name"]
+    await eventually(lambda: _pool_whole(dataplane, without=owner["actor_name"]), 60, 0.5)
 
-    await eventually(replaced, 60, 0.5)
+
+async def _read_back(dataplane, tenant: str, sid: str):
+    try:
+        return await dataplane.get_session.remote(tenant, sid, shard_key=sid)
+    except Exception:  # noqa: BLE001 - the dead replica until Serve notices
+        return None
+
+
+async def _pool_whole(dataplane, without: str = "") -> bool:
+    """Two replicas running that both answer, neither of them ``without`` (a killed one:
+    Serve's controller notices a dead replica only at its next health check, seconds
+    later, and counts it as running until then)."""
+    if _replica_states() != {"RUNNING": 2}:
+        return False
+    try:
+        names = {(await dataplane.stats.remote(shard_key=f"probe-{i}"))["actor_name"] for i in range(16)}
+    except Exception:  # noqa: BLE001 - a dead replica's answer
+        return False
+    return len(names) == 2 and without not in names
+
+
+async def test_a_replica_killed_during_an_outage_loses_no_acknowledged_turn(dataplane, redis_server, redis_client):  # noqa: F811
+    """A crash cannot drain. While Redis is down the owner acknowledges a turn only once
+    the session's next owner holds a copy (DataPlane.back_up); the owner is then killed
+    (no drain), and the copy reaches Redis when it returns. Without the copy the turn
+    died with the owner's memory: Redis would still hold version 1."""
+    import ray
+
+    tenant = tenant_name()
+    sid = new_session_id()
+    # The copy needs another live replica (with one, the turn is still acknowledged).
+    await eventually(lambda: _pool_whole(dataplane), 60, 0.5)
+
+    async def owner_connected():
+        return not (await dataplane.status.remote(shard_key=sid))["degraded"]
+
+    await eventually(owner_connected, 30)
+    await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
+    await dataplane.append_turn.remote(tenant, sid, 0, [{"role": "user", "content": "before"}], 1, shard_key=sid)
+    owner = await dataplane.stats.remote(shard_key=sid)
+    redis_server.stop()
+    try:
+        rec = await dataplane.append_turn.remote(
+            tenant, sid, 1, [{"role": "user", "content": "during"}], 1, turn_id="t-during", shard_key=sid
+        )
+        assert rec.version == 2
+        ray.kill(ray.get_actor(owner["actor_name"], namespace="serve"), no_restart=True)
+    finally:
+        redis_server.start()
+
+    def stored_version():
+        return int(redis_client.hget(keys.session_key(tenant, sid), "version") or 0)
+
+    async def written_back():
+        return stored_version() == 2
+
+    await eventually(written_back, 60, 0.2)
+    assert b"during" in redis_client.hget(keys.session_key(tenant, sid), "messages")
+
+    rec = await eventually(lambda: _read_back(dataplane, tenant, sid), 60, 0.5)
+    assert [m["content"] for m in rec.messages] == ["before", "during"] and rec.version == 2
+    await eventually(lambda: _pool_whole(dataplane, without=owner["actor_name"]), 60, 0.5)
+
+
+async def test_a_deleted_session_leaves_a_tombstone_that_refuses_stale_copies():
+    """RedisStore alone: a delete leaves only a tombstone, which lives as long as the
+    record would have; a stale copy written back afterwards (put_session_if_newer, what
+    a replica's resync does) is refused, reads and appends see no session, the id stays
+    taken. A delete of an id Redis never held writes nothing unless asked to."""
+    import redis
+
+    from app.config import RedisConfig
+    from app.local_redis import LocalRedis
+    from deployments.dataplane.redis_store import RedisStore
+    from deployments.dataplane.types import SessionRecord
+
+    with LocalRedis() as server:
+        store = RedisStore.from_config(RedisConfig(url=server.url, password_env=None), kv_ttl_s=60)
+        client = redis.Redis.from_url(server.url)
+        try:
+            now = time.time()
+            rec = SessionRecord("s", "t", created=now, expires_at=now + 300, ttl_s=300)
+            assert await store.create_session(rec)
+            assert (await store.append("t", "s", 0, [{"role": "user", "content": "hi"}], 1)).version == 1
+            stale = await store.get_session("t", "s")
+            assert await store.delete_session("t", "s") is True
+            key = keys.session_key("t", "s")
+            assert client.hgetall(key) == SESSION_TOMBSTONE
+            assert 295 <= client.ttl(key) <= 300
+            stale.version = 5
+            assert await store.put_session_if_newer(stale) is False
+            assert client.hgetall(key) == SESSION_TOMBSTONE
+            assert await store.get_session("t", "s") is None
+            assert (await store.append("t", "s", 1, [{"role": "user", "content": "x"}], 1)).status == "missing"
+            assert await store.create_session(rec) is False
+            assert await store.delete_session("t", "s") is False  # already gone
+
+            # Never in Redis: nothing written, unless a tombstone is asked for.
+            assert await store.delete_session("t", "never") is False
+            assert not client.exists(keys.session_key("t", "never"))
+            assert await store.delete_session("t", "outage", tombstone_s=120) is False
+            assert client.hgetall(keys.session_key("t", "outage")) == SESSION_TOMBSTONE
+            assert 115 <= client.ttl(keys.session_key("t", "outage")) <= 120
+            copy = SessionRecord("outage", "t", created=now, expires_at=now + 300, ttl_s=300, version=2)
+            assert await store.put_session_if_newer(copy) is False
+
+            # Without a tombstone the same write-back lands (the check above is the
+            # tombstone's doing, not the version's).
+            other = SessionRecord("other", "t", created=now, expires_at=now + 300, ttl_s=300, version=2)
+            assert await store.put_session_if_newer(other) is True
+            assert (await store.get_session("t", "other")).version == 2
+        finally:
+            client.close()
+            await store.close()
 
 
 async def test_store_password_from_env_and_exact_message_roundtrip():

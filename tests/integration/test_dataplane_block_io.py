@@ -28,6 +28,7 @@ from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
 from tests.fixtures.logs import messages_containing, serve_log_captured
 from tests.fixtures.polling import eventually
+from tests.fixtures.redis import SESSION_TOMBSTONE
 
 pytestmark = pytest.mark.integration
 
@@ -499,7 +500,8 @@ async def test_each_redis_server_degrades_alone(redis_server):
             assert int(stored[b"version"]) == 1 and b"during kv outage" in stored[b"messages"]
             assert len(await durable.smembers(keys.session_blocks_key("deg", sid))) == 4
             assert await dp.delete_session("deg", gone) is True
-            assert not await durable.exists(keys.session_key("deg", gone), keys.session_blocks_key("deg", gone))
+            assert await durable.hgetall(keys.session_key("deg", gone)) == SESSION_TOMBSTONE
+            assert not await durable.exists(keys.session_blocks_key("deg", gone))
             status = await dp.status()
             assert status["degraded"] is True and status["unsynced_sessions"] == 0
             assert status["unsynced_blocks"] == 4 + 3  # blocks to write, blocks to erase
@@ -535,7 +537,8 @@ async def test_each_redis_server_degrades_alone(redis_server):
             await durable.aclose()
             durable = aioredis.Redis.from_url(redis_server.url)
             assert int(await durable.hget(keys.session_key("deg", sid), "version")) == 2
-            assert not await durable.exists(keys.session_key("deg", later), keys.session_blocks_key("deg", later))
+            assert await durable.hgetall(keys.session_key("deg", later)) == SESSION_TOMBSTONE
+            assert not await durable.exists(keys.session_blocks_key("deg", later))
         finally:
             if not redis_server.running:
                 redis_server.start()

@@ -1,17 +1,24 @@
-"""A DataPlane replica that is being stopped (DataPlane.drain, what Serve's graceful stop
-calls) leaves nothing that only its memory holds: it writes back to Redis what Redis takes,
-hands the rest (a sessions outage's turns and deletes) to the replica that owns those
-sessions next, and names in an ERROR line what neither could keep.
+"""What only a DataPlane replica's memory holds during a sessions-Redis outage (turns,
+creates and deletes of sessions) outlives that replica.
+
+* Stopped (DataPlane.drain, what Serve's graceful stop calls): it writes back to Redis
+  what Redis takes, hands the rest to the replica that owns those sessions next
+  (``adopt``), and names in an ERROR line what neither could keep.
+* Crashed (no drain): each change was acknowledged only once that next owner held a copy
+  (``back_up``, ``dataplane.outage_backup_timeout_s``), which serves the session and writes
+  it back; Redis's tombstone of a deleted session refuses a stale copy.
 
 Two DataPlane instances in this process on a real redis-server of the test's own (it is
 stopped and started). Between them stands ``_Handle``, this file's stand-in for the Serve
-handle of the pool: it answers ``adopt`` with the other instance and records the routing
-keywords. Through real Serve replicas the same path runs in
-``tests/integration/test_dataplane.py::test_a_replica_stopped_during_an_outage_hands_its_turns_over``.
+handle of the pool: it answers ``adopt`` and ``back_up`` with the other instance and
+records the routing keywords. Through real Serve replicas the same paths run in
+``tests/integration/test_dataplane.py`` (``test_a_replica_stopped_during_an_outage_hands_its_turns_over``,
+``test_a_replica_killed_during_an_outage_loses_no_acknowledged_turn``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -27,19 +34,21 @@ from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisUnavailable
 from tests.fixtures.logs import messages_containing, serve_log_captured
 from tests.fixtures.polling import eventually
+from tests.fixtures.redis import SESSION_TOMBSTONE
 
 pytestmark = pytest.mark.integration
 
 TENANT = "drain"
 
 
-def dataplane(url: str, *, reconnect_interval_s: float = 0.1, sync_interval_ms: int = 60_000) -> DataPlane:
+def dataplane(url: str, *, reconnect_interval_s: float = 0.1, sync_interval_ms: int = 60_000, backup_timeout_s: float = 0) -> DataPlane:
     config = AppConfig.model_validate({
         "dataplane": {
             "num_replicas": 2,
             "l2_capacity_bytes": 1 << 22,
             "sync_interval_ms": sync_interval_ms,
             "drain_timeout_s": 5,
+            "outage_backup_timeout_s": backup_timeout_s,
             "redis": {
                 "url": url, "password_env": None, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5,
                 "reconnect_interval_s": reconnect_interval_s,
@@ -50,20 +59,31 @@ def dataplane(url: str, *, reconnect_interval_s: float = 0.1, sync_interval_ms: 
 
 
 class _Method:
-    def __init__(self, target: DataPlane, calls: list):
-        self._target, self._calls = target, calls
+    def __init__(self, target, calls: list, name: str):
+        self._target, self._calls, self._name = target, calls, name
 
     def remote(self, *args, **kwargs):
         self._calls.append(kwargs)
-        return self._target.adopt(*args, **kwargs)
+        return getattr(self._target, self._name)(*args, **kwargs)
 
 
 class _Handle:
-    """The pool's handle as the stopping replica sees it: every ``adopt`` reaches ``peer``."""
+    """The pool's handle as a replica sees it: every ``adopt`` and ``back_up`` reaches
+    ``peer`` (``calls``, ``backups``: their keywords); with ``unreachable`` set, a
+    ``back_up`` never arrives."""
 
     def __init__(self, peer: DataPlane):
         self.calls: list[dict] = []
-        self.adopt = _Method(peer, self.calls)
+        self.backups: list[dict] = []
+        self.unreachable = False
+        self.adopt = _Method(peer, self.calls, "adopt")
+        self.back_up = _Method(self, self.backups, "_back_up")
+        self._peer = peer
+
+    async def _back_up(self, *args, **kwargs):
+        if self.unreachable:
+            await asyncio.sleep(3600)
+        return await self._peer.back_up(*args, **kwargs)
 
 
 class _Pool:
@@ -83,10 +103,13 @@ class _Pool:
 
 
 @contextlib.asynccontextmanager
-async def pool(*, a_reconnect_interval_s: float = 0.1, peer: bool = True):
+async def pool(*, a_reconnect_interval_s: float = 0.1, b_reconnect_interval_s: float = 0.1, peer: bool = True, backups: bool = False):
+    """``backups``: ``a`` copies its outage changes to ``b`` (``back_up``) before it
+    acknowledges them; off, the drain's hand-over alone is under test."""
+    backup_timeout_s = 0.5 if backups else 0
     with LocalRedis() as server:
-        b = dataplane(server.url)
-        a = dataplane(server.url, reconnect_interval_s=a_reconnect_interval_s)
+        b = dataplane(server.url, reconnect_interval_s=b_reconnect_interval_s)
+        a = dataplane(server.url, reconnect_interval_s=a_reconnect_interval_s, backup_timeout_s=backup_timeout_s)
         await a.start()
         await b.start()
         a._peers = _Handle(b) if peer else None
@@ -147,7 +170,7 @@ async def test_a_stopping_replica_hands_its_outage_turns_and_deletes_to_the_next
         stored = await p.stored(sid("a"))
         assert int(stored[b"version"]) == 2 and b"during" in stored[b"messages"] and b"before" in stored[b"messages"]
         assert int((await p.stored(sid("c")))[b"version"]) == 1
-        assert await p.stored(sid("b")) == {}
+        assert await p.stored(sid("b")) == SESSION_TOMBSTONE
 
 
 async def _synced(dp: DataPlane) -> bool:
@@ -221,3 +244,118 @@ async def test_with_no_replica_to_take_them_the_lost_turns_are_named_in_an_error
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert any(sid("f") in r.getMessage() and "lost" in r.getMessage() for r in errors)
         assert messages_containing(caplog, "DataPlane drain: sessions written back 0, handed to other replicas 0, lost 1")
+
+
+async def crash(dp: DataPlane) -> None:
+    """What a killed replica does: nothing more (no drain; its memory is gone)."""
+    dp._drain_started = True
+    for t in dp._tasks:
+        t.cancel()
+    await dp._store.close()
+
+
+async def test_a_replica_that_crashes_in_an_outage_loses_no_acknowledged_change():
+    """Each change ``a`` acknowledged during the outage was first copied to ``b``, the
+    sessions' next owner: ``a`` dies without a drain, and ``b`` serves what it
+    acknowledged (a turn, a new session, a delete) and writes it back."""
+    async with pool(backups=True) as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("g"), ttl_s=600)
+        await a.append_turn(TENANT, sid("g"), 0, [{"role": "user", "content": "before"}], 1)
+        await a.create_session(TENANT, session_id=sid("h"), ttl_s=600)
+        # Copies only while Redis is down: nothing was sent for the changes above.
+        assert a._peers.backups == []
+        p.server.stop()
+        await a.append_turn(TENANT, sid("g"), 1, [{"role": "user", "content": "during"}], 1, turn_id="t2")
+        await a.create_session(TENANT, session_id=sid("i"), ttl_s=600)
+        assert await a.delete_session(TENANT, sid("h")) is True
+        assert [c["shard_key"] for c in a._peers.backups] == [sid("g"), sid("i"), sid("h")]
+        assert {c["exclude_replica"] for c in a._peers.backups} == {"replica-a"}
+        assert (await b.status())["backup_sessions"] == 3
+        await crash(a)
+
+        # The client's retry of its last turn (its answer lost with a) is that turn's
+        # success again, and the conversation goes on on b.
+        again = await b.append_turn(TENANT, sid("g"), 1, [{"role": "user", "content": "during"}], 1, turn_id="t2")
+        assert again.version == 2 and [m["content"] for m in again.messages] == ["before", "during"]
+        await b.append_turn(TENANT, sid("g"), 2, [{"role": "user", "content": "on b"}], 1)
+        assert (await b.get_session(TENANT, sid("i"))).version == 0
+        assert await b.get_session(TENANT, sid("h")) is None
+
+        p.server.start()
+        await eventually(lambda: _synced(b))
+        stored = await p.stored(sid("g"))
+        assert int(stored[b"version"]) == 3 and b"on b" in stored[b"messages"]
+        assert int((await p.stored(sid("i")))[b"version"]) == 0
+        assert await p.stored(sid("h")) == SESSION_TOMBSTONE
+        # Written back, the copies are not b's to keep: the next read is Redis's.
+        status = await b.status()
+        assert status["backup_sessions"] == 0
+        assert (TENANT, sid("g")) not in b._sessions
+
+
+async def test_a_stale_copy_never_brings_a_deleted_session_back():
+    """Both replicas write back after an outage, in either order. ``b`` holds a copy of
+    a session that ``a`` then deletes, during the outage with the copy of the delete
+    lost (``h``), and after it while ``b`` has not yet noticed Redis is back (``j``):
+    ``b``'s late write-back of its copies must not recreate either."""
+    async with pool(backups=True, b_reconnect_interval_s=60) as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("j"), ttl_s=600)
+        p.server.stop()
+        await eventually(lambda: _degraded(a))
+        await a.create_session(TENANT, session_id=sid("h"), ttl_s=600)  # only in memory
+        await a.append_turn(TENANT, sid("j"), 0, [{"role": "user", "content": "during"}], 1)
+        assert (await b.status())["backup_sessions"] == 2
+        a._peers.unreachable = True
+        assert await a.delete_session(TENANT, sid("h")) is True  # b's copy of h is stale now
+        assert (await b.status())["backup_sessions"] == 2
+
+        p.server.start()
+        await eventually(lambda: _synced(a))
+        assert await p.stored(sid("h")) == SESSION_TOMBSTONE  # no record, still a tombstone
+        assert await a.delete_session(TENANT, sid("j")) is True  # Redis up: a plain delete
+        assert await p.stored(sid("j")) == SESSION_TOMBSTONE
+
+        assert (await b.status())["degraded"] is True  # b's loop has not retried yet
+        await b._resync("sessions")  # what its reconnect loop does when it does
+        assert await p.stored(sid("h")) == SESSION_TOMBSTONE
+        assert await p.stored(sid("j")) == SESSION_TOMBSTONE
+        assert await b.get_session(TENANT, sid("h")) is None
+        assert await b.get_session(TENANT, sid("j")) is None
+        assert (await b.status())["backup_sessions"] == 0
+
+
+async def test_an_outage_change_is_acknowledged_when_no_copy_arrives_in_time(caplog):
+    """Availability first: the next owner unreachable, ``a`` waits
+    ``outage_backup_timeout_s`` and acknowledges anyway, with one WARNING line."""
+    async with pool(backups=True) as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("k"), ttl_s=600)
+        p.server.stop()
+        a._peers.unreachable = True
+        with serve_log_captured(caplog, logging.INFO):
+            rec = await a.append_turn(TENANT, sid("k"), 0, [{"role": "user", "content": "kept here"}], 1)
+            await a.append_turn(TENANT, sid("k"), 1, [{"role": "user", "content": "and here"}], 1)
+        assert rec.version == 1
+        assert (await b.status())["backup_sessions"] == 0
+        assert len(messages_containing(caplog, "no other replica took a copy of session")) == 1
+        p.server.start()
+        await eventually(lambda: _synced(a))
+        assert int((await p.stored(sid("k")))[b"version"]) == 2
+
+
+async def test_a_delete_the_replica_cannot_judge_during_an_outage_is_a_503_that_changes_nothing():
+    async with pool() as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("l"), ttl_s=600)
+        p.server.stop()
+        await eventually(lambda: _degraded(b))
+        with pytest.raises(ServiceUnavailableError) as unknown:
+            await b.delete_session(TENANT, sid("l"))
+        assert unknown.value.headers.get("Retry-After") and "cannot be deleted now" in str(unknown.value)
+        assert (await b.status())["unsynced_sessions"] == 0
+        p.server.start()
+        await eventually(lambda: _synced(b))
+        assert int((await p.stored(sid("l")))[b"version"]) == 0  # not deleted behind the 503
+        assert await b.delete_session(TENANT, sid("l")) is True

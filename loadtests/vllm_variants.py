@@ -14,7 +14,11 @@ frontend free to run anywhere; ``:pin`` asks whether keeping our front end off t
 forward's core pays. The layout is the app's default for one vLLM replica (the ingress and
 its worker in one process, ``ingress.with_worker``, app/server.py); ``:apart`` runs the
 ingress and its worker as two deployments (``with_worker: false``), ``:with_worker`` says
-the default outright. Each variant starts its own Ray and application (as
+the default outright. ``:dataplane`` turns the data plane on (off in the others, as in
+``compare_vllm``): sessions and vLLM's KV connector (docs/vllm_kv.md) against a
+redis-server this run starts, so the variant pays what the default config pays per request
+(the connector's lookup) and per filled block (its save); the prompts are random, so every
+lookup misses. Each variant starts its own Ray and application (as
 ``compare_vllm`` does, behind ``--ingress``, HAProxy by default here), runs each
 concurrency level (completions, 128-token prompts, 64 output tokens, streaming), and stops
 them; variants alternate within each round. Printed and stored per level: output tokens/s,
@@ -41,7 +45,7 @@ def _say(msg: str) -> None:
     print(f"[vllm_variants] {msg}", file=sys.stderr, flush=True)
 
 
-VARIANT_FLAGS = ("pin", "with_worker", "apart")
+VARIANT_FLAGS = ("pin", "with_worker", "apart", "dataplane")
 
 
 def parse_variant(text: str) -> dict:
@@ -53,12 +57,13 @@ def parse_variant(text: str) -> dict:
         or len(set(flags)) != len(flags)
         or {"with_worker", "apart"} <= set(flags)
     ):
-        raise ValueError(f"a variant is INTERVAL_MS:MAX_MESSAGES_PER_S[:pin][:with_worker|:apart], not {text!r}")
+        raise ValueError(f"a variant is INTERVAL_MS:MAX_MESSAGES_PER_S[:pin][:with_worker|:apart][:dataplane], not {text!r}")
     return {
         "name": text,
         "interval_ms": float(parts[0]),
         "max_messages_per_s": float(parts[1]),
         "pin": "pin" in flags,
+        "dataplane": "dataplane" in flags,
         # None: the config's default layout.
         "with_worker": True if "with_worker" in flags else False if "apart" in flags else None,
     }
@@ -145,6 +150,12 @@ def main(argv=None) -> int:
     base_url = f"http://127.0.0.1:{args.port}"
     levels: list[dict] = []
     pins: list[dict] = []
+    redis = None
+    if any(v["dataplane"] for v in variants):
+        from app.local_redis import LocalRedis
+
+        redis = LocalRedis().start()
+        _say(f"redis-server for the :dataplane variants at {redis.url}")
     try:
         for rnd in range(1, args.rounds + 1):
             for variant in variants:
@@ -153,6 +164,8 @@ def main(argv=None) -> int:
                 app.app_args["engine"]["stream_interval_ms"] = variant["interval_ms"]
                 if variant["with_worker"] is not None:
                     app.app_args["ingress"]["with_worker"] = variant["with_worker"]
+                if variant["dataplane"]:
+                    app.app_args["dataplane"] = {"enabled": True, "redis": {"url": redis.url, "password_env": None}}
                 _say(f"round {rnd}/{args.rounds}: starting {variant['name']}")
                 try:
                     app.start(args.start_timeout_s)
@@ -170,6 +183,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         _say("interrupted: everything stopped")
         return 130
+    finally:
+        if redis is not None:
+            redis.cleanup()
 
     print(f"{'variant':>16} {'c':>3}  {'tok/s per round':>22}  {'median':>7}  {'TTFT p50':>8}  {'ITL p50':>7}  "
           f"{'ours CPU ms/1k':>14}")

@@ -139,16 +139,19 @@ def test_capabilities_and_ready_answer_as_a_handles_would():
 
 
 @pytest.mark.parametrize(
-    ("text", "pin", "with_worker"),
-    [("15:500", False, None), ("15:500:pin", True, None), ("15:500:with_worker", False, True),
-     ("15:500:with_worker:pin", True, True), ("15:500:apart", False, False)],
+    ("text", "pin", "with_worker", "dataplane"),
+    [("15:500", False, None, False), ("15:500:pin", True, None, False), ("15:500:with_worker", False, True, False),
+     ("15:500:with_worker:pin", True, True, False), ("15:500:apart", False, False, False),
+     ("15:500:dataplane", False, None, True), ("15:500:apart:dataplane", False, False, True)],
 )
-def test_variants_parse_their_flags(text, pin, with_worker):
+def test_variants_parse_their_flags(text, pin, with_worker, dataplane):
     v = parse_variant(text)
-    assert (v["interval_ms"], v["max_messages_per_s"], v["pin"], v["with_worker"]) == (15.0, 500.0, pin, with_worker)
+    assert (v["interval_ms"], v["max_messages_per_s"], v["pin"], v["with_worker"], v["dataplane"]) == (
+        15.0, 500.0, pin, with_worker, dataplane
+    )
 
 
-@pytest.mark.parametrize("text", ["15", "15:500:pinned", "15:500:pin:pin", "15:500:apart:with_worker"])
+@pytest.mark.parametrize("text", ["15", "15:500:pinned", "15:500:pin:pin", "15:500:apart:with_worker", "15:500:dataplane:dataplane"])
 def test_a_bad_variant_is_refused(text):
     with pytest.raises(ValueError):
         parse_variant(text)

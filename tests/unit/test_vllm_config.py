@@ -10,6 +10,7 @@ import pytest
 from app.config import AppConfig, VLLMOptions
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
 from deployments.compute.engines.vllm_engine import (
+    cpu_reserved_cores_env,
     DEFAULT_CPU_KV_CACHE_GIB,
     GIB,
     KV_CONNECTOR_MODULE,
@@ -159,6 +160,19 @@ def test_vllm_block_size_on_cpu_is_a_multiple_of_32():
     assert vllm_kv_block_size(16, on_cpu=True) == 32
     assert vllm_kv_block_size(32, on_cpu=True) == 32
     assert vllm_kv_block_size(48, on_cpu=True) == 64
+
+
+def test_with_our_connector_on_a_cpu_vllm_reserves_only_its_schedulers_cores():
+    """vLLM's CPU build reserves one more core per rank for any KV connector (NIXL's
+    threads); ours has none, and on 2 cores that reserve left the forward bound to both."""
+    connected = {"kv_transfer_config": {"kv_connector": "DataPlaneKVConnector"}}
+    assert cpu_reserved_cores_env(connected, on_cpu=True, environ={}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    sharded = {**connected, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    assert cpu_reserved_cores_env(sharded, on_cpu=True, environ={}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "4"}
+    # The operator's own setting stands; no connector or a GPU: nothing to change.
+    assert cpu_reserved_cores_env(connected, on_cpu=True, environ={"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}) == {}
+    assert cpu_reserved_cores_env({}, on_cpu=True, environ={}) == {}
+    assert cpu_reserved_cores_env(connected, on_cpu=False, environ={}) == {}
 
 
 def test_from_app_config_connects_only_when_kv_reuse_is_on(tiny_model_path):

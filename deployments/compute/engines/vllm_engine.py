@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
@@ -200,6 +201,27 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_reserved_cores_env(engine_kwargs: dict[str, Any], *, on_cpu: bool, environ=os.environ) -> dict[str, str]:
+    """What to put in the environment before vLLM's CPU build starts (pure).
+
+    vLLM's CPU build binds its forward pass's OpenMP threads to all cores but a reserve
+    for its scheduler process: one per rank, and one more per rank whenever any KV
+    connector is configured (for NIXL's transfer threads in a prefill/decode split). Our
+    connector runs in the step and has no threads of its own, so that second core sits
+    idle, and on a machine with no core to spare (2 cores here) vLLM then binds the
+    forward to every core, the reserved ones included, where it contends with the
+    scheduler: a request took 2-3x as long (``python -m loadtests.vllm_variants
+    --variants 15:500,15:500:dataplane``). So with our connector the reserve is what vLLM
+    keeps without one, unless the operator set it."""
+    if not on_cpu or "kv_transfer_config" not in engine_kwargs or RESERVED_CPU_ENV in environ:
+        return {}
+    ranks = int(engine_kwargs.get("tensor_parallel_size") or 1) * int(engine_kwargs.get("pipeline_parallel_size") or 1)
+    return {RESERVED_CPU_ENV: str(ranks)}
+
+
 def _on_cpu() -> bool:
     try:
         import torch
@@ -319,6 +341,14 @@ class VLLMEngine(Engine):
 
             engine_kwargs["kv_transfer_config"] = KVTransferConfig(**engine_kwargs["kv_transfer_config"])
         args = AsyncEngineArgs(**engine_kwargs)
+        for name, value in cpu_reserved_cores_env(self.engine_kwargs, on_cpu=_on_cpu()).items():
+            # Read by the EngineCore and its worker, which inherit this environment.
+            os.environ[name] = value
+            logger.info(
+                "vLLM CPU build: %s=%s (its scheduler's core only; our KV connector needs no "
+                "core of its own, so vLLM's warning that this is below its minimum is expected)",
+                name, value,
+            )
         # Built on this loop: AsyncLLM binds its ZMQ sockets and output handler to the
         # running loop. This blocks the loop while the EngineCore loads the weights
         # (the replica is not serving yet then).

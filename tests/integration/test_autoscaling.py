@@ -55,8 +55,12 @@ def _autoscale_args(redis_url: str) -> dict:
                 "max_replicas": 2,
                 "target_queue_depth_per_replica": TARGET_PER_REPLICA,
                 "upscale_delay_s": 1,
-                # Short, so the long turns below are still running when a replica goes.
-                "downscale_delay_s": 0.5,
+                # Long enough that the four session clients below (started 0.3 s apart)
+                # have placed long turns on both replicas before Serve picks the one to
+                # stop: at 0.5 s it once picked a replica none had reached yet ("no
+                # request in flight to drain"). Their turns keep restarting, so some are
+                # still running whenever it goes.
+                "downscale_delay_s": 2,
                 "metrics_interval_s": 0.25,
                 "look_back_period_s": 1.0,
             },

@@ -44,6 +44,18 @@ def spawn(coro: Coroutine) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(coro, context=own_call_context())
 
 
+def cancel_call(response) -> None:
+    """Cancel a Serve handle call that was given up (best effort: a call not yet sent
+    leaves its router's queue; one running finishes, its answer unread). ``response``
+    may be None (never made) or anything without ``cancel``."""
+    cancel = getattr(response, "cancel", None)
+    if cancel is not None:
+        try:
+            cancel()
+        except Exception as e:  # noqa: BLE001 - only a clean-up
+            logger.debug("cancelling a given-up Serve call failed: %r", e)
+
+
 def in_serve_replica() -> bool:
     """True inside a Serve replica (with Ray 2.60's replica context)."""
     try:

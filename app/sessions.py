@@ -27,6 +27,7 @@ from app.errors import (
     _causes,
     replica_death_types,
 )
+from app.serve_context import cancel_call
 
 logger = logging.getLogger("ray.serve")
 
@@ -269,7 +270,7 @@ class SessionClient:
                     return await response
             except Exception as e:
                 if isinstance(e, TimeoutError) and bound.expired():
-                    _cancel(response)
+                    cancel_call(response)
                     timeouts += 1
                     if timeouts > TIMEOUT_RETRIES:
                         self._on_give_up(op, sid, timeouts)
@@ -401,17 +402,6 @@ class SessionClient:
         if not deleted and not retried:
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
         return True
-
-
-def _cancel(response) -> None:
-    """Cancel a data-plane call that was given up (best effort: a Serve call not yet sent
-    leaves its router's queue; one running finishes, its answer unread)."""
-    cancel = getattr(response, "cancel", None)
-    if cancel is not None:
-        try:
-            cancel()
-        except Exception as e:  # noqa: BLE001 - only a clean-up
-            logger.debug("cancelling a given-up session call failed: %r", e)
 
 
 def session_json(record) -> dict:

@@ -56,7 +56,7 @@ from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from app.host_memory import minor_faults
 from app.object_store import Prefault
-from app.serve_context import DrainsOnStop
+from app.serve_context import DrainsOnStop, cancel_call
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
@@ -570,9 +570,7 @@ class DataPlane(DrainsOnStop):
                     )
                     await call
             except Exception as e:  # noqa: BLE001 - acknowledged anyway: counted and logged
-                cancel = getattr(call, "cancel", None)
-                if cancel is not None:
-                    cancel()
+                cancel_call(call)
                 span.set_status(trace.Status(trace.StatusCode.ERROR, type(e).__name__))
                 self._m.inc("outage_backups", tags={"outcome": "failed"})
                 now = time.monotonic()

@@ -158,12 +158,10 @@ if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
 local keep = tonumber(ARGV[1])
 local live = redis.call('EXISTS', KEYS[1]) == 1
 if live then keep = tonumber(redis.call('HGET', KEYS[1], 'ttl_s')) or keep end
+redis.call('DEL', KEYS[1])
 if keep > 0 then
-  redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'deleted', '1')
   redis.call('EXPIRE', KEYS[1], keep)
-else
-  redis.call('DEL', KEYS[1])
 end
 if live then return 1 end
 return 0

@@ -1,5 +1,6 @@
 """Serve's context for our code: handle calls that run side by side within one request
-(:func:`spawn`), and the stop of a replica (:class:`DrainsOnStop`).
+(:func:`spawn`), the stop of a replica (:class:`DrainsOnStop`), and whether another
+replica's actor still lives (:func:`named_actor_alive`).
 
 A handle call made while a replica serves a request carries that request's internal id
 (``RequestMetadata.internal_request_id``), and Serve's router hands each replica it picks
@@ -80,3 +81,18 @@ class DrainsOnStop:
         if getattr(self, "_drain_started", True) or not in_serve_replica():
             return None
         return self.drain()
+
+
+def named_actor_alive(name: str, namespace: str = "serve") -> bool:
+    """Whether Ray still knows a live actor of that name (blocking: one GCS call). A
+    dead actor that will not be restarted has its name released; unsure (a GCS error)
+    counts as alive."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    except Exception as e:  # noqa: BLE001 - unsure: alive
+        logger.debug("looking up actor %s failed: %r", name, e)
+    return True

@@ -56,7 +56,7 @@ from app.config import AppConfig, DataPlaneConfig
 from app.errors import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from app.host_memory import minor_faults
 from app.object_store import Prefault
-from app.serve_context import DrainsOnStop, cancel_call
+from app.serve_context import DrainsOnStop, cancel_call, named_actor_alive
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
@@ -202,6 +202,13 @@ class _Metrics:
             "llm_dataplane_backup_sessions_taken",
             "Copies of another replica's outage session changes this replica took (back_up).",
         )
+        self.backup_claims = m.Counter(
+            "llm_dataplane_backup_claims",
+            "Changes asked of a session this replica holds only a copy of (back_up), by "
+            "outcome: claimed (its owner gone: the copy is this replica's now) or refused (a "
+            "503: the owner lives, and two replicas taking turns would fork the session).",
+            tag_keys=("outcome",),
+        )
         self.append_replays = m.Counter(
             "llm_dataplane_session_append_replays",
             "Session appends made again after they had landed (same turn id), answered as their success.",
@@ -256,9 +263,12 @@ class DataPlane(DrainsOnStop):
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
         self._dirty_sessions: set[SessionKey] = set()  # newer in memory than in Redis
         self._deleted_sessions: set[SessionKey] = set()  # deleted while Redis was down
-        # Copies of sessions another replica changed during an outage (back_up): written
-        # back like this replica's own, then dropped from memory (not ours to cache).
-        self._backups: set[SessionKey] = set()
+        # Copies of sessions another replica changed during an outage (back_up), with
+        # that replica's ring name: written back like this replica's own, then dropped
+        # from memory (not ours to cache); changed here only once that replica is gone.
+        self._backups: dict[SessionKey, Optional[str]] = {}
+        # Ring name -> when it was last found alive (_replica_alive), for a second.
+        self._alive_seen: dict[str, float] = {}
         self._backup_warned_at = 0.0
         self._side_tasks: set[asyncio.Task] = set()
         self._pending_session_blocks: dict[SessionKey, set[str]] = defaultdict(set)
@@ -484,7 +494,7 @@ class DataPlane(DrainsOnStop):
             self._take(key, record, deleted)
             if block_members and key not in self._deleted_sessions:
                 self._pending_session_blocks[key].update(block_members)
-            self._backups.discard(key)  # ours now: the sender is gone
+            self._backups.pop(key, None)  # ours now: the sender is gone
             self._m.inc("adopted_sessions")
         # Written back now where the server is up. Where it is down (or goes down
         # meanwhile, which marks it so) the reconnect loop's resync writes it once it
@@ -525,11 +535,12 @@ class DataPlane(DrainsOnStop):
         during a sessions outage (:meth:`_back_up`), routed here because this replica
         owns the session once that one is gone. The copy is written back like this
         replica's own changes (Redis keeps the newer version; a tombstone refuses a
-        deleted session), and serves the session if its owner crashes meanwhile."""
+        deleted session), and serves the session if its owner crashes meanwhile
+        (:meth:`_claim_backup`); ``exclude_replica`` names that owner."""
         await self.start()
         key = (tenant, session_id)
         self._take(key, record, deleted)
-        self._backups.add(key)
+        self._backups[key] = exclude_replica
         self._m.inc("backup_sessions_taken")
         if not self._degraded[SESSIONS]:
             # The sender found Redis down and this replica has not (yet): try now, off
@@ -545,6 +556,62 @@ class DataPlane(DrainsOnStop):
             pass
         except Exception:  # noqa: BLE001 - the reconnect loop writes it later
             logger.exception("DataPlane: writing back a session copy failed")
+
+    async def _claim_backup(self, key: SessionKey, what: str) -> None:
+        """Before a change of a session this replica holds only a copy of (``back_up``):
+        where the sessions Redis answers, the copy is written back first and Redis
+        decides, as for any session. Else the copy is changed here only once the replica
+        that sent it is gone; while it lives (this replica was reached because that one
+        was full, or a router had not yet seen it) the change is a 503 to retry, since
+        two replicas taking turns on one session would fork it, and the write-back would
+        then keep one side and drop the other's acknowledged turns."""
+        if key not in self._backups:
+            return
+        if not self._degraded[SESSIONS]:
+            try:
+                await self._redis(SESSIONS, self._resync_sessions)
+            except RedisUnavailable:
+                pass
+            if key not in self._backups:
+                return
+        owner = self._backups[key]
+        if owner is not None and await self._replica_alive(owner):
+            self._m.inc("backup_claims", tags={"outcome": "refused"})
+            raise ServiceUnavailableError(
+                f"session {key[1]!r} cannot be {what} on this server now: the session store is "
+                "unreachable and the server that owns the session is busy; retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        if self._backups.pop(key, False) is not False:
+            self._m.inc("backup_claims", tags={"outcome": "claimed"})
+            logger.warning(
+                "DataPlane: session %s is served from the copy held here: the replica that "
+                "owned it during the sessions outage (%s) is gone", key[1], owner,
+            )
+
+    async def _replica_alive(self, replica: str) -> bool:
+        """Whether this deployment's replica ``replica`` (its ring name) is alive: its
+        actor is still registered with Ray (Serve never restarts a replica's actor; a
+        dead one's name is released). Unsure (outside Serve, a GCS error) is alive. A
+        live answer is kept for a second: refused callers retry, and each lookup is a
+        GCS call."""
+        seen = self._alive_seen.get(replica)
+        if seen is not None and time.monotonic() - seen < 1.0:
+            return True
+        try:
+            import ray
+
+            from deployments.dataplane.routing import replica_actor_name
+
+            name = replica_actor_name(ray.get_runtime_context().get_actor_name() or "", replica)
+        except Exception:  # noqa: BLE001 - not in a Serve replica
+            return True
+        alive = await asyncio.to_thread(named_actor_alive, name)
+        if alive:
+            if len(self._alive_seen) > 64:
+                self._alive_seen.clear()
+            self._alive_seen[replica] = time.monotonic()
+        return alive
 
     async def _back_up(self, tenant: str, session_id: str, *, record: Optional[SessionRecord] = None, deleted: bool = False) -> None:
         """Before a change that only this replica's memory holds (a sessions outage) is
@@ -711,7 +778,7 @@ class DataPlane(DrainsOnStop):
             if key not in self._dirty_sessions and key not in self._deleted_sessions:
                 # Written back: the owner serves it from Redis; a copy kept here would be
                 # stale by its next turn.
-                self._backups.discard(key)
+                self._backups.pop(key, None)
                 self._sessions.pop(key, None)
 
     async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str], *, tombstone_s: int = 0) -> bool:
@@ -1271,8 +1338,12 @@ class DataPlane(DrainsOnStop):
         if rec is None:
             return None
         if rec.expired(time.time()):
-            del self._sessions[key]
             self._dirty_sessions.discard(key)
+            if not self._degraded[SESSIONS]:
+                del self._sessions[key]
+            # Else kept, clean, while the server is down: a session this replica knows
+            # expired stays a 404, not one it holds nothing of (a 503); the cache's bound
+            # drops it in time, and Redis answers for it once back.
             return None
         return rec
 
@@ -1361,6 +1432,7 @@ class DataPlane(DrainsOnStop):
         sends it again), it returns the record that turn made instead of a 409."""
         await self.start()
         key = (tenant, session_id)
+        await self._claim_backup(key, "changed")
         max_messages = self._cfg.sessions.max_messages
         try:
             result = await self._redis(
@@ -1472,6 +1544,7 @@ class DataPlane(DrainsOnStop):
         and L3. True if it existed."""
         await self.start()
         key = (tenant, session_id)
+        await self._claim_backup(key, "deleted")
         known = key in self._sessions or key in self._deleted_sessions
         existed = self._memory_session(tenant, session_id) is not None
         self._sessions.pop(key, None)
@@ -1547,7 +1620,7 @@ class DataPlane(DrainsOnStop):
             "unsynced_blocks": len(self._l2.dirty) + sum(len(m) for m in self._blocks_to_delete.values()),
         }
 
-    async def stats(self, shard_key: Optional[str] = None) -> dict:
+    async def stats(self, shard_key: Optional[str] = None, exclude_replica: Optional[str] = None) -> dict:
         await self.start()
         return {
             **self._counts,

@@ -105,6 +105,16 @@ def replica_key(replica_id) -> str:
     return str(getattr(replica_id, "unique_id", replica_id))
 
 
+def replica_actor_name(sibling_actor_name: str, replica: str) -> str:
+    """The Ray actor name of the replica whose ring name is ``replica``, given the actor
+    name of another replica of the same deployment: Serve names them
+    ``SERVE_REPLICA::[app#]deployment#<unique id>`` (``ReplicaID.to_full_id_str``)."""
+    head, sep, _ = sibling_actor_name.rpartition("#")
+    if not sep or not replica or "#" in replica:
+        raise ValueError(f"not a Serve replica's actor name, or not a ring name: {sibling_actor_name!r}, {replica!r}")
+    return f"{head}#{replica}"
+
+
 class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
     """Serve request router: the replica that owns ``shard_key`` on the hash ring."""
 

@@ -641,8 +641,13 @@ async def test_a_replica_killed_during_an_outage_loses_no_acknowledged_turn(data
     """A crash cannot drain. While Redis is down the owner acknowledges a turn only once
     the session's next owner holds a copy (DataPlane.back_up); the owner is then killed
     (no drain), and the copy reaches Redis when it returns. Without the copy the turn
-    died with the owner's memory: Redis would still hold version 1."""
+    died with the owner's memory: Redis would still hold version 1. The copy's holder
+    finds its owner alive, then gone, as Ray's registry of named actors tells it
+    (DataPlane._replica_alive: a copy is changed only once its owner is gone)."""
     import ray
+
+    from app.serve_context import named_actor_alive
+    from deployments.dataplane.routing import replica_actor_name
 
     tenant = tenant_name()
     sid = new_session_id()
@@ -662,7 +667,17 @@ async def test_a_replica_killed_during_an_outage_loses_no_acknowledged_turn(data
             tenant, sid, 1, [{"role": "user", "content": "during"}], 1, turn_id="t-during", shard_key=sid
         )
         assert rec.version == 2
+        holder = await dataplane.stats.remote(shard_key=sid, exclude_replica=owner["replica"])
+        assert holder["actor_name"] != owner["actor_name"]
+        # The name the holder looks its owner up by, from its own and the owner's ring name.
+        assert replica_actor_name(holder["actor_name"], owner["replica"]) == owner["actor_name"]
+        assert named_actor_alive(owner["actor_name"]) and named_actor_alive(holder["actor_name"])
         ray.kill(ray.get_actor(owner["actor_name"], namespace="serve"), no_restart=True)
+
+        async def owner_gone():
+            return not await asyncio.to_thread(named_actor_alive, owner["actor_name"])
+
+        await eventually(owner_gone, 30, 0.2)
     finally:
         redis_server.start()
 

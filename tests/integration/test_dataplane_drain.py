@@ -6,7 +6,9 @@ creates and deletes of sessions) outlives that replica.
   (``adopt``), and names in an ERROR line what neither could keep.
 * Crashed (no drain): each change was acknowledged only once that next owner held a copy
   (``back_up``, ``dataplane.outage_backup_timeout_s``), which serves the session and writes
-  it back; Redis's tombstone of a deleted session refuses a stale copy.
+  it back; Redis's tombstone of a deleted session refuses a stale copy. The holder
+  changes a copy only once its owner is gone (else a 503: a fork otherwise).
+* A session that expires during the outage stays a 404 on the replica that knew it.
 
 Two DataPlane instances in this process on a real redis-server of the test's own (it is
 stopped and started). Between them stands ``_Handle``, this file's stand-in for the Serve
@@ -93,6 +95,9 @@ class _Pool:
 
     def __init__(self, server: LocalRedis, a: DataPlane, b: DataPlane):
         self.server, self.a, self.b = server, a, b
+        # The replicas ``b`` finds alive (DataPlane._replica_alive, a Ray actor lookup in
+        # a replica): ``a`` until the test says it crashed.
+        self.alive = {"replica-a"}
 
     async def stored(self, session: str) -> dict:
         client = aioredis.Redis.from_url(self.server.url)
@@ -114,8 +119,14 @@ async def pool(*, a_reconnect_interval_s: float = 0.1, b_reconnect_interval_s: f
         await b.start()
         a._peers = _Handle(b) if peer else None
         a._replica_key = lambda: "replica-a"
+        p = _Pool(server, a, b)
+
+        async def alive(replica: str) -> bool:
+            return replica in p.alive
+
+        b._replica_alive = alive
         try:
-            yield _Pool(server, a, b)
+            yield p
         finally:
             if not server.running:
                 server.start()
@@ -273,6 +284,7 @@ async def test_a_replica_that_crashes_in_an_outage_loses_no_acknowledged_change(
         assert {c["exclude_replica"] for c in a._peers.backups} == {"replica-a"}
         assert (await b.status())["backup_sessions"] == 3
         await crash(a)
+        p.alive.discard("replica-a")
 
         # The client's retry of its last turn (its answer lost with a) is that turn's
         # success again, and the conversation goes on on b.
@@ -288,10 +300,12 @@ async def test_a_replica_that_crashes_in_an_outage_loses_no_acknowledged_change(
         assert int(stored[b"version"]) == 3 and b"on b" in stored[b"messages"]
         assert int((await p.stored(sid("i")))[b"version"]) == 0
         assert await p.stored(sid("h")) == SESSION_TOMBSTONE
-        # Written back, the copies are not b's to keep: the next read is Redis's.
+        # Written back, a copy b only read is not b's to keep (the next read is Redis's);
+        # the session it took turns on after a died is its own.
         status = await b.status()
         assert status["backup_sessions"] == 0
-        assert (TENANT, sid("g")) not in b._sessions
+        assert (TENANT, sid("i")) not in b._sessions
+        assert b._sessions[(TENANT, sid("g"))].version == 3
 
 
 async def test_a_stale_copy_never_brings_a_deleted_session_back():
@@ -359,3 +373,84 @@ async def test_a_delete_the_replica_cannot_judge_during_an_outage_is_a_503_that_
         await eventually(lambda: _synced(b))
         assert int((await p.stored(sid("l")))[b"version"]) == 0  # not deleted behind the 503
         assert await b.delete_session(TENANT, sid("l")) is True
+
+
+async def test_a_copy_takes_no_change_while_its_owner_lives(caplog):
+    """A turn or a delete that reaches the copy's holder while the session's owner lives
+    (the owner was full, or a router had not yet seen it) would fork the session, and
+    the write-back would then drop one side's acknowledged turns: it is a 503 that
+    changes nothing, while reads are served from the copy. Once the owner is gone the
+    holder takes the copy over, with one WARNING line."""
+    async with pool(backups=True) as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("m"), ttl_s=600)
+        p.server.stop()
+        await a.append_turn(TENANT, sid("m"), 0, [{"role": "user", "content": "on a"}], 1)
+        assert (await b.get_session(TENANT, sid("m"))).version == 1
+        with pytest.raises(ServiceUnavailableError) as busy:
+            await b.append_turn(TENANT, sid("m"), 1, [{"role": "user", "content": "fork"}], 1)
+        assert busy.value.headers.get("Retry-After") and "cannot be changed on this server now" in str(busy.value)
+        with pytest.raises(ServiceUnavailableError):
+            await b.delete_session(TENANT, sid("m"))
+        kept = await b.get_session(TENANT, sid("m"))
+        assert kept.version == 1 and [m["content"] for m in kept.messages] == ["on a"]
+        assert (await b.status())["backup_sessions"] == 1
+        # The owner goes on; its copy on b follows.
+        await a.append_turn(TENANT, sid("m"), 1, [{"role": "user", "content": "a again"}], 1)
+        assert (await b.get_session(TENANT, sid("m"))).version == 2
+
+        await crash(a)
+        p.alive.discard("replica-a")
+        with serve_log_captured(caplog, logging.INFO):
+            rec = await b.append_turn(TENANT, sid("m"), 2, [{"role": "user", "content": "on b"}], 1)
+        assert rec.version == 3 and [m["content"] for m in rec.messages] == ["on a", "a again", "on b"]
+        assert len(messages_containing(caplog, f"session {sid('m')} is served from the copy held here")) == 1
+        assert (await b.status())["backup_sessions"] == 0
+        p.server.start()
+        await eventually(lambda: _synced(b))
+        stored = await p.stored(sid("m"))
+        assert int(stored[b"version"]) == 3 and b"fork" not in stored[b"messages"]
+
+
+async def test_a_copy_is_written_back_before_its_holder_changes_it_with_redis_up():
+    """A copy that reaches a holder which finds Redis up is written back by a task of
+    its own; a change that reaches the holder first writes the copy back itself, then
+    goes to Redis like any other: the client's version is the copy's, not Redis's old
+    one (a 409) and not a 503."""
+    async with pool(backups=True) as p:
+        a, b = p.a, p.b
+        await a.create_session(TENANT, session_id=sid("n"), ttl_s=600)
+        # What a sends b for a turn it takes while it alone finds Redis down.
+        copy = await a.get_session(TENANT, sid("n"))
+        copy.messages.append({"role": "user", "content": "during"})
+        copy.version, copy.num_tokens = 1, 1
+        await b.back_up(TENANT, sid("n"), record=copy, shard_key=sid("n"), exclude_replica="replica-a")
+        assert (await b.status())["backup_sessions"] == 1  # its write-back task has not run
+        rec = await b.append_turn(TENANT, sid("n"), 1, [{"role": "user", "content": "after"}], 1)
+        assert rec.version == 2 and [m["content"] for m in rec.messages] == ["during", "after"]
+        stored = await p.stored(sid("n"))
+        assert int(stored[b"version"]) == 2 and b"during" in stored[b"messages"]
+        assert (await b.status())["backup_sessions"] == 0
+
+
+async def test_a_session_that_expires_during_an_outage_stays_a_404():
+    """The replica knows the session and finds it expired: every read and turn is a 404
+    (not a 404 once and then a 503, as if it had never heard of it), and nothing of it
+    is written back."""
+    from app.errors import NotFoundError
+
+    async with pool() as p:
+        a = p.a
+        await a.create_session(TENANT, session_id=sid("o"), ttl_s=1)
+        p.server.stop()
+        await eventually(lambda: _degraded(a))
+        await asyncio.sleep(1.2)
+        for _ in range(2):
+            assert await a.get_session(TENANT, sid("o")) is None
+            with pytest.raises(NotFoundError):
+                await a.append_turn(TENANT, sid("o"), 0, [{"role": "user", "content": "late"}], 1)
+        assert (await a.status())["unsynced_sessions"] == 0
+        p.server.start()
+        await eventually(lambda: _synced(a))
+        assert await p.stored(sid("o")) == {}
+        assert await a.get_session(TENANT, sid("o")) is None

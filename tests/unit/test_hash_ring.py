@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from deployments.dataplane.routing import HashRing
 
 KEYS = [f"key-{i}" for i in range(20_000)]
@@ -103,3 +105,13 @@ def test_an_excluded_replica_takes_no_call_and_its_keys_go_to_their_next_owner()
     assert ranked[0] == [HashRing(["b", "c"]).owner(key)]
     assert _choose(ring, ["a", "b", "c"], exclude_replica="a") == [["b", "c"]]
     assert _choose(ring, ["a"], shard_key=key, exclude_replica="a") == []
+
+
+def test_a_replicas_actor_name_from_a_siblings():
+    from deployments.dataplane.routing import replica_actor_name
+
+    assert replica_actor_name("SERVE_REPLICA::llm#DataPlane#ab12cd", "zz99") == "SERVE_REPLICA::llm#DataPlane#zz99"
+    assert replica_actor_name("SERVE_REPLICA::DataPlane#ab12cd", "zz99") == "SERVE_REPLICA::DataPlane#zz99"
+    for sibling, replica in (("no-hash", "zz99"), ("SERVE_REPLICA::llm#DataPlane#ab", ""), ("SERVE_REPLICA::a#b#c", "x#y")):
+        with pytest.raises(ValueError):
+            replica_actor_name(sibling, replica)

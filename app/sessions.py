@@ -39,6 +39,12 @@ DEATH_RETRY_BUDGET_S = 10.0
 # An attempt with no answer in ``sessions.call_timeout_s`` is made again this many times
 # (then 503): a call must never hold a request until its deadline.
 TIMEOUT_RETRIES = 1
+# A turn's append comes after its reply was generated: a 503 the data plane answers it
+# with (the session's owner briefly full while Redis is down, DataPlane._claim_backup;
+# or the session on its way between replicas) is made again after BUSY_BACKOFF_S *
+# 2**k, this many times, before the request fails with it. The turn id makes it safe.
+APPEND_BUSY_RETRIES = 3
+BUSY_BACKOFF_S = 0.25
 
 SESSION_ID_RE = re.compile(r"^sess_[0-9a-f]{32}$")
 DEFAULT_TENANT = "default"
@@ -247,21 +253,23 @@ class SessionClient:
                 self._m_retries = metrics.Counter(
                     "llm_session_dataplane_retries",
                     "Session calls made again: the data-plane replica died under them "
-                    "(reason=replica_died) or no answer came in sessions.call_timeout_s "
-                    "(reason=timeout).",
+                    "(reason=replica_died), no answer came in sessions.call_timeout_s "
+                    "(reason=timeout), or a turn's append got a 503 (reason=busy).",
                     tag_keys=("op", "reason"),
                 )
         except Exception:  # noqa: BLE001 - metrics are optional outside a Ray worker
             self._m_retries = None
 
-    async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, **kwargs):
+    async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, busy_retries: int = 0, **kwargs):
         """``self._dp.<op>.remote(*args, **kwargs)``, made again while the replica taking
-        it dies, and ``TIMEOUT_RETRIES`` times after an attempt that got no answer within
-        ``config.call_timeout_s`` (then 503). ``retried``, if given, gets True appended
-        when this client made the call again (also when the call then fails)."""
+        it dies, ``TIMEOUT_RETRIES`` times after an attempt that got no answer within
+        ``config.call_timeout_s`` (then 503), and ``busy_retries`` times after a 503 of
+        the data plane's. ``retried``, if given, gets True appended when this client made
+        the call again (also when the call then fails)."""
         deadline = time.monotonic() + DEATH_RETRY_BUDGET_S
-        attempt = timeouts = 0
+        attempt = timeouts = busy = 0
         while True:
+            pause = None
             bound = asyncio.timeout(self.config.call_timeout_s)
             response = None
             try:
@@ -281,13 +289,19 @@ class SessionClient:
                     reason = "timeout"
                 elif replica_died(e) and time.monotonic() < deadline:
                     reason = "replica_died"
+                elif isinstance(e, ServiceUnavailableError) and busy < busy_retries:
+                    reason = "busy"
+                    pause = BUSY_BACKOFF_S * 2**busy
+                    busy += 1
                 else:
                     raise
                 attempt += 1
                 if retried is not None:
                     retried.append(True)
                 self._on_retry(op, sid, e, attempt, reason)
-            await asyncio.sleep(min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic())))
+            if pause is None:
+                pause = min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic()))
+            await asyncio.sleep(pause)
 
     def _on_retry(self, op: str, session_id: str, error: BaseException, attempt: int, reason: str) -> None:
         from opentelemetry import trace
@@ -299,6 +313,14 @@ class SessionClient:
                 session_id,
                 op,
                 self.config.call_timeout_s,
+                attempt + 1,
+            )
+        elif reason == "busy":
+            logger.info(
+                "session %s: the data plane cannot take %s now (%s); trying again (attempt %d)",
+                session_id,
+                op,
+                error,
                 attempt + 1,
             )
         else:
@@ -384,6 +406,7 @@ class SessionClient:
                 context_tokens - turn.base_num_tokens,
                 turn_id=turn.turn_id,
                 shard_key=sid,
+                busy_retries=APPEND_BUSY_RETRIES,
             )
         except BaseException:
             self._records.drop(sid)

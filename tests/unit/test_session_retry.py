@@ -150,6 +150,43 @@ def test_an_append_conflict_is_the_clients_409_and_nothing_is_guessed():
         assert dp.get_session.calls == 0
 
 
+def _busy() -> ServiceUnavailableError:
+    return ServiceUnavailableError("cannot be changed on this server now", headers={"Retry-After": "1"})
+
+
+def test_an_append_the_data_plane_cannot_take_now_is_made_again_with_the_same_turn(monkeypatch):
+    # The reply is generated already: a 503 of the data plane's (the session's owner
+    # briefly full during an outage) is waited out, a few times with a growing pause.
+    pauses = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s):
+        pauses.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(sessions.asyncio, "sleep", sleep)
+    seen = []
+    dp = FakeDataPlane(append_turn=[_Recording(_busy(), seen), _Recording(_busy(), seen), _Recording(record(3, [*MSGS]), seen)])
+    assert asyncio.run(client(dp).append(TURN, MSGS, 10)).version == 3
+    assert seen == [TURN.turn_id] * 3
+    assert pauses == [sessions.BUSY_BACKOFF_S, 2 * sessions.BUSY_BACKOFF_S]
+
+    # Not for ever: the request then fails with the data plane's 503.
+    dp = FakeDataPlane(append_turn=[_busy()])
+    with pytest.raises(ServiceUnavailableError):
+        asyncio.run(client(dp).append(TURN, MSGS, 10))
+    assert dp.append_turn.calls == sessions.APPEND_BUSY_RETRIES + 1
+
+
+def test_a_read_the_data_plane_cannot_answer_now_is_the_clients_503_at_once():
+    # Nothing generated yet: the client retries (Retry-After) rather than the request
+    # holding a slot.
+    dp = FakeDataPlane(get_session=[_busy(), record(0, [])])
+    with pytest.raises(ServiceUnavailableError):
+        asyncio.run(client(dp).get(SID))
+    assert dp.get_session.calls == 1
+
+
 def test_create_whose_first_attempt_applied_returns_the_session():
     def fresh(tenant, session_id, **_):
         return dataclasses.replace(record(0, []), id=session_id)

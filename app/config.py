@@ -98,7 +98,17 @@ class VLLMOptions(_Strict):
     max_num_batched_tokens: Optional[int] = Field(default=None, ge=16, le=1_048_576)
     enable_prefix_caching: bool = Field(default=True)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
-    quantization: Optional[str] = Field(default=None, max_length=64)
+    # vLLM 0.32's QUANTIZATION_METHODS (vllm.model_executor.layers.quantization).
+    quantization: Optional[
+        Literal[
+            "awq", "auto_awq", "fp8", "fbgemm_fp8", "fp_quant", "modelopt", "modelopt_fp4",
+            "modelopt_mxfp8", "modelopt_mixed", "auto_gptq", "gptq", "gptq_marlin",
+            "awq_marlin", "humming", "compressed-tensors", "experts_int8", "quark",
+            "moe_wna16", "torchao", "inc", "mxfp4", "gpt_oss_mxfp4", "deepseek_v4_fp8",
+            "online", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel",
+            "int8_per_channel_weight_only", "nvfp4_per_token", "mxfp8",
+        ]
+    ] = Field(default=None, description="Weight quantization method; unset: what the checkpoint says.")
     enforce_eager: bool = Field(default=False)
     cpu_kv_cache_space_gib: Optional[float] = Field(
         default=None,
@@ -673,5 +683,12 @@ class AppConfig(_Strict):
             raise ValueError(
                 f"router.max_batch_size ({self.router.max_batch_size}) must not exceed "
                 f"compute.max_ongoing_requests ({self.compute.max_ongoing_requests})"
+            )
+        batched = self.engine.vllm.max_num_batched_tokens
+        if self.engine.name == "vllm" and batched is not None and batched < self.engine.max_num_seqs:
+            # vLLM's own check (SchedulerConfig), made here so that it fails before vLLM starts.
+            raise ValueError(
+                f"engine.vllm.max_num_batched_tokens ({batched}) must be at least "
+                f"engine.max_num_seqs ({self.engine.max_num_seqs})"
             )
         return self

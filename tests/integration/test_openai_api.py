@@ -148,6 +148,9 @@ def test_seed_makes_sampling_reproducible(served_app):
     others = {chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=s)[0] for s in (1, 2, 3)}
     assert a == b
     assert len(others | {a}) > 1  # different seeds do sample differently
+    # A negative seed is a seed too (vLLM itself reads -1 as none: vllm_engine.vllm_seed).
+    neg = [chat_text(client, served_app.model_id, max_tokens=16, temperature=1.0, seed=-1)[0] for _ in range(2)]
+    assert neg[0] == neg[1]
 
 
 def test_stop_string_truncates_and_finishes_with_stop(served_app):

@@ -181,3 +181,41 @@ async def test_the_gate_holds_the_worker_call_and_a_failed_gate_never_reaches_a_
 
 async def _collect(gen) -> list[TokenDelta]:
     return [d async for d in gen]
+
+
+class _CapsWorker(_Worker):
+    """A worker whose engine answers ``capabilities`` with ``caps``, or fails it first
+    (a worker still starting)."""
+
+    def __init__(self, stream: _Stream, caps: EngineCapabilities, failures: int = 0):
+        super().__init__(stream)
+        self.asked = 0
+
+        async def answer():
+            self.asked += 1
+            if self.asked <= failures:
+                raise RuntimeError("worker starting")
+            return caps
+
+        self.capabilities = _Method(answer)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wants, size", [(False, 1), (True, 8)])
+async def test_the_router_forwards_without_a_batching_wait_to_an_engine_that_batches_itself(wants, size):
+    # vLLM batches continuously: the router's batcher turns into pass-through (a batch of
+    # one never waits), whatever router.max_batch_size says; the torch engine keeps it.
+    config = {"router": {"max_batch_size": 8, "batch_wait_timeout_ms": 10_000}, "dataplane": {"enabled": False}}
+    worker = _CapsWorker(_Stream(num_deltas=1, finish=True), EngineCapabilities(wants_router_batching=wants), failures=1)
+    router = Router(worker, config)
+    # First the worker cannot answer: the configured batching stands, and the next
+    # request asks again.
+    await _consume(router)
+    assert router._batcher.max_batch_size == 8
+    started = time.monotonic()
+    await _consume(router)
+    assert router._batcher.max_batch_size == size and worker.asked == 2
+    if not wants:
+        assert time.monotonic() - started < 5  # not held for the 10 s batching wait
+    await _consume(router)
+    assert worker.asked == 2  # resolved once

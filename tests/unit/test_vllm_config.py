@@ -236,6 +236,49 @@ def test_sampling_params_mapping():
     }
 
 
+def test_a_negative_seed_reaches_vllm_as_the_seed_torch_would_use():
+    import torch
+
+    for seed in (-1, -2, -(2**63)):
+        mapped = sampling_params_kwargs(SamplingParams(max_tokens=1, temperature=1.0, seed=seed))["seed"]
+        assert mapped >= 0 and mapped == torch.Generator().manual_seed(seed).initial_seed()
+    assert sampling_params_kwargs(SamplingParams(max_tokens=1, seed=0))["seed"] == 0
+    assert sampling_params_kwargs(SamplingParams(max_tokens=1, seed=2**63 - 1))["seed"] == 2**63 - 1
+
+
+def _vllm_config(vllm: dict, **engine):
+    return AppConfig.model_validate({"engine": {"name": "vllm", "vllm": vllm, **engine}})
+
+
+@pytest.mark.parametrize(
+    "vllm, engine, names",
+    [
+        ({"tensor_paralel_size": 2}, {}, "tensor_paralel_size"),  # a typo names itself
+        ({"gpu_memory_utilization": 0}, {}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 0.96}, {}, "gpu_memory_utilization"),
+        ({"tensor_parallel_size": 0}, {}, "tensor_parallel_size"),
+        ({"quantization": "notaquant"}, {}, "quantization"),
+        ({"kv_cache_dtype": "int3"}, {}, "kv_cache_dtype"),
+        ({"cpu_kv_cache_space_gib": 0}, {}, "cpu_kv_cache_space_gib"),
+        ({"max_num_batched_tokens": 16}, {"max_num_seqs": 32}, "max_num_batched_tokens"),
+    ],
+)
+def test_a_bad_vllm_option_is_an_error_that_names_it(vllm, engine, names):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        _vllm_config(vllm, **engine)
+    assert names in str(err.value)
+
+
+def test_vllm_options_at_their_bounds_are_taken():
+    cfg = _vllm_config(
+        {"gpu_memory_utilization": 0.95, "quantization": "awq", "max_num_batched_tokens": 32}, max_num_seqs=32
+    )
+    assert cfg.engine.vllm.gpu_memory_utilization == 0.95 and cfg.engine.vllm.quantization == "awq"
+    assert VLLMOptions().gpu_memory_utilization == 0.9
+
+
 def test_module_imports_without_vllm():
     code = (
         "import sys; import deployments.compute.engines.vllm_engine as m; "
@@ -268,6 +311,12 @@ def test_kwargs_are_valid_vllm_engine_args():
 
     params = vllm.SamplingParams(**sampling_params_kwargs(SamplingParams(max_tokens=4, temperature=0, stop=["x"])))
     assert params.max_tokens == 4 and params.stop == ["x"]
+    seeded = vllm.SamplingParams(**sampling_params_kwargs(SamplingParams(max_tokens=4, temperature=1.0, seed=-1)))
+    assert seeded.seed == 2**64 - 1  # vLLM would have dropped -1
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    # Our list of quantization methods is vLLM's.
+    assert set(VLLMOptions.model_fields["quantization"].annotation.__args__[0].__args__) == set(QUANTIZATION_METHODS)
 
 
 def test_sharded_replica_gets_a_placement_group_and_ray_executor():

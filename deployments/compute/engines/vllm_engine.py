@@ -181,6 +181,14 @@ def kv_transfer_params(request: GenerationRequest) -> dict[str, Any]:
     return params
 
 
+def vllm_seed(seed: Optional[int]) -> Optional[int]:
+    """A request's seed as vLLM takes it. vLLM reads -1 as "no seed" (fresh randomness),
+    where the torch engine seeds its generator with it; both hand the seed to
+    ``torch.Generator.manual_seed``, which takes a negative seed as its two's complement,
+    so that value, given as the unsigned one, is what a negative seed means on both."""
+    return seed + (1 << 64) if seed is not None and seed < 0 else seed
+
+
 def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for ours (output kind added by the
     caller, since it is a vLLM enum)."""
@@ -190,7 +198,7 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         # vLLM samples greedily (argmax) when temperature is 0.
         "temperature": float(params.temperature),
         "top_p": float(params.top_p) if params.temperature > 0 else 1.0,
-        "seed": params.seed,
+        "seed": vllm_seed(params.seed),
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": True,
         # Stop strings never reach the client, as with the torch engine.

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections import OrderedDict, defaultdict
@@ -71,6 +72,8 @@ logger = logging.getLogger("ray.serve")
 MAX_CACHED_SESSIONS = 100_000
 # Blocks per Redis round trip in write-behind and resync.
 WRITE_BATCH = 256
+# How long a session delete waits for every replica to drop its blocks from L2.
+DROP_BROADCAST_TIMEOUT_S = 5.0
 # Chain roots kept per tenant for publishing while Redis is unreachable.
 MAX_PENDING_ROOTS = 100_000
 
@@ -116,6 +119,14 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
         return list(resident.views), resident
     owned = np.concatenate(arrays)
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
+
+
+def _hashes_by_tenant(block_keys: Iterable[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for key in block_keys:
+        tenant, block_hash = keys.split_block_key(key)
+        out[tenant].append(block_hash)
+    return out
 
 
 def _settle(pending: dict, key, done: set) -> None:
@@ -272,6 +283,10 @@ class DataPlane(DrainsOnStop):
         self._backup_warned_at = 0.0
         self._side_tasks: set[asyncio.Task] = set()
         self._pending_session_blocks: dict[SessionKey, set[str]] = defaultdict(set)
+        # Writes of L2 blocks to the KV server under way, each with the keys that L2
+        # dropped meanwhile (_write_blocks erases those again).
+        self._writes_in_flight: dict[int, set[str]] = {}
+        self._write_tokens = itertools.count()
         # Per Redis server (SESSIONS: the durable one; KV: the blocks' one, the same
         # server unless dataplane.kv_redis is set): unreachable since when. A KV outage
         # keeps sessions durable in theirs, and the reverse.
@@ -772,7 +787,7 @@ class DataPlane(DrainsOnStop):
                 self._dirty_sessions.discard(key)  # else a turn came meanwhile: next pass
         for key, members in list(self._pending_session_blocks.items()):
             done = set(members)
-            await self._store.add_session_blocks(key[0], key[1], sorted(done), self._cfg.sessions.cache_ttl_s)
+            await self._link_session_blocks(key[0], key[1], sorted(done))
             _settle(self._pending_session_blocks, key, done)
         for key in list(self._backups):
             if key not in self._dirty_sessions and key not in self._deleted_sessions:
@@ -784,11 +799,17 @@ class DataPlane(DrainsOnStop):
     async def _delete_stored_session(self, tenant: str, session_id: str, members: set[str], *, tombstone_s: int = 0) -> bool:
         """Delete a session from the sessions server: its record (a tombstone in its
         place; ``tombstone_s``: see ``RedisStore.delete_session``), then its blocks (those
-        listed there, added to ``members``, and those already in it) from the KV server,
-        then the list (the blocks before their list: the list is what finds them). True
-        if the record existed. Raises RedisUnavailable when the sessions server fails."""
+        listed there, added to ``members``, and those already in it) from the L2 of the
+        replicas holding them and then from the KV server, then the list (the blocks
+        before their list: the list is what finds them). L2 goes first: a dirty block
+        that stayed there would be written behind to the KV server after its erasure (a
+        write already under way when L2 drops it erases it again, ``_write_blocks``);
+        and the tombstone first, so that a block exported after this finds its session
+        deleted (``_link_session_blocks``). True if the record existed. Raises
+        RedisUnavailable when the sessions server fails."""
         existed = await self._store.delete_session(tenant, session_id, tombstone_s=tombstone_s)
         members.update(await self._store.session_block_members(tenant, session_id))
+        await self._drop_blocks_everywhere(tenant, members)
         await self._erase_member_blocks(tenant, members)
         await self._store.forget_session_blocks(tenant, session_id)
         return existed
@@ -824,14 +845,26 @@ class DataPlane(DrainsOnStop):
         return self._kv_loop(self._cfg.sync_interval_ms, lambda: self._l2.dirty, self._write_dirty_blocks, "write-behind")
 
     async def _write_blocks(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write L2 blocks to the KV server. Those that L2 dropped while the write was
+        under way (``drop_l2_blocks``: their session was deleted) are erased from it
+        again once it is done."""
         by_tenant: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         for key, value in items:
             tenant, block_hash = keys.split_block_key(key)
             by_tenant[tenant].append((block_hash, value))
-        for tenant, blocks in by_tenant.items():
-            for start in range(0, len(blocks), WRITE_BATCH):
-                chunk = blocks[start : start + WRITE_BATCH]
-                await self._store.put_blocks(tenant, [h for h, _ in chunk], [v for _, v in chunk])
+        token = next(self._write_tokens)
+        dropped = self._writes_in_flight[token] = set()
+        try:
+            for tenant, blocks in by_tenant.items():
+                for start in range(0, len(blocks), WRITE_BATCH):
+                    chunk = blocks[start : start + WRITE_BATCH]
+                    await self._store.put_blocks(tenant, [h for h, _ in chunk], [v for _, v in chunk])
+        finally:
+            del self._writes_in_flight[token]
+            if dropped:
+                written = {key for key, _ in items} & dropped
+                for tenant, hashes in _hashes_by_tenant(written).items():
+                    await self._erase_member_blocks(tenant, [keys.session_block_member(h, h) for h in hashes])
 
     async def _write_dirty_blocks(self) -> int:
         items = self._l2.dirty_items()
@@ -910,10 +943,13 @@ class DataPlane(DrainsOnStop):
         session_id: Optional[str] = None,
         *,
         shard_key: Optional[str] = None,
+        exclude_replica: Optional[str] = None,
     ) -> int:
         """Store encoded blocks in L2 (written behind to Redis). Returns how many: each
         block is checked (header, checksum) on its way in, and a corrupt one is left out
-        and counted (``corrupt_blocks``, metric tier ``put``)."""
+        and counted (``corrupt_blocks``, metric tier ``put``); none if the session was
+        deleted meanwhile (``_link_session_blocks``). ``exclude_replica`` is for the
+        request router (the put then lands where it would with that replica full)."""
         await self.start()
         if len(hashes) != len(blocks):
             raise InvalidRequestError(
@@ -955,17 +991,26 @@ class DataPlane(DrainsOnStop):
         if session_id and hashes:
             members = [keys.session_block_member(shard_key or hashes[0], h) for h in hashes]
             try:
-                await self._redis(
-                    SESSIONS,
-                    self._store.add_session_blocks,
-                    tenant,
-                    session_id,
-                    members,
-                    self._cfg.sessions.cache_ttl_s,
-                )
+                if not await self._redis(SESSIONS, self._link_session_blocks, tenant, session_id, members):
+                    return 0
             except RedisUnavailable:
                 self._pending_session_blocks[(tenant, session_id)].update(members)
         return stored
+
+    async def _link_session_blocks(self, tenant: str, session_id: str, members: Sequence[str]) -> bool:
+        """List blocks under their session, which its delete erases. A session deleted
+        meanwhile refuses them (its tombstone), and they are erased here (L2, then the
+        KV server): a turn's blocks that its worker exported after the session's DELETE
+        (exports run after the reply) must not outlive that delete. False then."""
+        if await self._store.add_session_blocks(tenant, session_id, members, self._cfg.sessions.cache_ttl_s):
+            return True
+        self._counts["blocks_of_deleted_sessions"] += len(members)
+        logger.info(
+            "DataPlane: %d blocks arrived for session %s after its delete; erased", len(members), session_id
+        )
+        await self._drop_blocks_everywhere(tenant, members)
+        await self._erase_member_blocks(tenant, members)
+        return False
 
     async def lookup_prefix(
         self,
@@ -1298,7 +1343,10 @@ class DataPlane(DrainsOnStop):
     ) -> int:
         """Remove blocks from this replica's L2 only (dirty or not). Used by
         ``delete_session`` on the replica that owns each of the session's chains."""
-        n = self._l2.delete_many(keys.block_key(tenant, h) for h in hashes)
+        dropped = [keys.block_key(tenant, h) for h in hashes]
+        for under_way in self._writes_in_flight.values():
+            under_way.update(dropped)
+        n = self._l2.delete_many(dropped)
         self._m.set("l2_used", self._l2.used_bytes)
         return n
 
@@ -1560,33 +1608,41 @@ class DataPlane(DrainsOnStop):
                 raise self._unknown_in_outage(session_id, "deleted") from None
             first = key not in self._deleted_sessions
             self._deleted_sessions.add(key)  # the rest once the server is back
-            # The blocks known now (those not yet listed in Redis included) go at once.
+            # The blocks known now (those not yet listed in Redis included) go at once,
+            # from L2 first (see _delete_stored_session).
+            await self._drop_blocks_everywhere(tenant, members)
             await self._erase_member_blocks(tenant, members)
             if first:
                 await self._back_up(tenant, session_id, deleted=True)
-        await self._drop_blocks_everywhere(tenant, members)
         return existed
 
     async def _drop_blocks_everywhere(self, tenant: str, members: Iterable[str]) -> None:
-        by_shard: dict[str, list[str]] = defaultdict(list)
-        for m in members:
-            shard, block_hash = keys.split_session_block_member(m)
-            by_shard[shard].append(block_hash)
-        if not by_shard:
+        """Drop blocks (session block-list members) from the L2 of every replica: here
+        first (cheap), then on each replica of the pool at once (Serve's broadcast). Not
+        only the chain's owner: a put that found the owner full went to a fallback, and
+        an owner before the ring last changed may still hold them. A replica that does
+        not answer in ``DROP_BROADCAST_TIMEOUT_S`` is logged (its blocks then leave L2 by
+        eviction, and are gone from L3)."""
+        hashes = sorted({keys.split_session_block_member(m)[1] for m in members})
+        if not hashes:
             return
-        # Drop here first (cheap), then on the replica that owns each chain.
-        await self.drop_l2_blocks(tenant, [h for hs in by_shard.values() for h in hs])
+        await self.drop_l2_blocks(tenant, hashes)
         handle = self._peers
         if handle is None:
             return
-        calls = [
-            handle.drop_l2_blocks.remote(tenant, hs, shard_key=shard) for shard, hs in by_shard.items()
-        ]
-        for call in calls:
-            try:
-                await call
-            except Exception as e:  # the owner may be gone; its L2 went with it
-                logger.warning("DataPlane: could not drop session blocks on their shard: %s", e)
+        try:
+            results = await handle.broadcast("drop_l2_blocks", tenant, hashes).results_async(
+                timeout_s=DROP_BROADCAST_TIMEOUT_S, return_exceptions=True
+            )
+        except Exception as e:  # noqa: BLE001 - the pool unreachable as a whole
+            logger.warning("DataPlane: could not drop %d blocks of a deleted session from the other replicas' L2: %s", len(hashes), e)
+            return
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning(
+                "DataPlane: %d of %d replicas did not drop %d blocks of a deleted session from "
+                "their L2: %s", len(failed), len(results), len(hashes), failed[0],
+            )
 
     async def _warm_peers(self) -> None:
         try:

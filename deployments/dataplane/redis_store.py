@@ -168,6 +168,19 @@ return 0
 """
 
 
+_LINK_BLOCKS = """
+-- KEYS[1] session, KEYS[2] its block list; ARGV[1] the list's ttl_s, then members.
+-- 0 and nothing added if the session was deleted (its tombstone): a turn's blocks
+-- exported after its session's DELETE must not be listed under it again.
+if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
+for i = 2, #ARGV, 1000 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+return 1
+"""
+
+
 def _dumps(messages: Sequence[dict]) -> str:
     return json.dumps(list(messages), separators=(",", ":"), ensure_ascii=False)
 
@@ -311,6 +324,7 @@ class RedisStore:
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
         self._create = client.register_script(_CREATE)
         self._delete = client.register_script(_DELETE)
+        self._link_blocks = client.register_script(_LINK_BLOCKS)
 
     @classmethod
     def from_config(
@@ -463,14 +477,18 @@ class RedisStore:
     @_unavailable
     async def add_session_blocks(
         self, tenant: str, session_id: str, members: Sequence[str], ttl_s: int
-    ) -> None:
+    ) -> bool:
+        """List blocks under their session (what its delete erases). False, and nothing
+        listed, if the session was deleted (its tombstone)."""
         if not members:
-            return
-        key = keys.session_blocks_key(tenant, session_id)
-        pipe = self._r.pipeline(transaction=False)
-        pipe.sadd(key, *members)
-        pipe.expire(key, max(ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S)
-        await pipe.execute()
+            return True
+        ttl = max(ttl_s, self._kv_ttl_s) + PAYLOAD_TTL_MARGIN_S
+        return bool(
+            await self._link_blocks(
+                keys=[keys.session_key(tenant, session_id), keys.session_blocks_key(tenant, session_id)],
+                args=[ttl, *members],
+            )
+        )
 
     @_unavailable
     async def session_block_members(self, tenant: str, session_id: str) -> list[str]:

@@ -287,6 +287,31 @@ async def test_delete_session_erases_l2_and_l3(dataplane, redis_client):  # noqa
     assert (await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])).num_blocks == 0
 
 
+async def test_delete_session_drops_its_blocks_from_every_replicas_l2(dataplane, redis_client):  # noqa: F811
+    """Blocks that a put left on another replica than their chain's owner (Serve's
+    router takes the next replica on the ring when the owner is full) leave that
+    replica's L2 too: the delete drops them on every replica (Serve's broadcast)."""
+    await eventually(lambda: _pool_whole(dataplane), 60, 0.5)
+    tenant = tenant_name()
+    sid = new_session_id()
+    hashes, blocks = make_blocks(tenant, 2, seed=12)
+    owner = (await dataplane.stats.remote(shard_key=hashes[0]))["replica"]
+
+    async def fallback_l2_blocks() -> int:
+        stats = await dataplane.stats.remote(shard_key=hashes[0], exclude_replica=owner)
+        assert stats["replica"] != owner
+        return stats["l2_num_blocks"]
+
+    await dataplane.create_session.remote(tenant, session_id=sid, shard_key=sid)
+    before = await fallback_l2_blocks()
+    stored = await dataplane.put_blocks.remote(tenant, hashes, blocks, sid, shard_key=hashes[0], exclude_replica=owner)
+    assert stored == 2 and await fallback_l2_blocks() == before + 2
+    assert redis_client.scard(keys.session_blocks_key(tenant, sid)) == 2
+    assert await dataplane.delete_session.remote(tenant, sid, shard_key=sid) is True
+    assert await fallback_l2_blocks() == before
+    assert not any(redis_client.exists(keys.block_key(tenant, h)) for h in hashes)
+
+
 async def test_connector_lookup_load_save_and_bandwidth(dataplane):
     tenant = tenant_name()
     conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)

@@ -82,6 +82,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 SEED_MAX = 2**63 - 1
 
 
+def _named_session(request: Request, req) -> Optional[str]:
+    """The session a chat request names: its ``X-Session-Id`` header, else its body's
+    ``session_id``; None if neither is there. An empty one is a name too (a malformed
+    one, answered 400), not the absence of a session: a client that meant a session
+    must not get a reply that was silently never stored."""
+    header = request.headers.get("x-session-id")
+    return header if header is not None else req.session_id
+
 class _Metrics:
     def __init__(self):
         tags = ("endpoint",)
@@ -358,8 +366,8 @@ class Ingress:
             new_messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
-        session_id = request.headers.get("x-session-id") or req.session_id
-        if not session_id:
+        session_id = _named_session(request, req)
+        if session_id is None:
             return self._chat_prompt_ids(new_messages), None, None
         if self._sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
@@ -577,7 +585,7 @@ class Ingress:
                         param="n",
                     )
                 if isinstance(req, ChatCompletionRequest):
-                    if req.n > 1 and (request.headers.get("x-session-id") or req.session_id):
+                    if req.n > 1 and _named_session(request, req) is not None:
                         raise InvalidRequestError(
                             "n must be 1 in a session turn: one reply is appended to the session.",
                             param="n",
@@ -898,7 +906,7 @@ class IngressDeployment(Ingress):
             return error_response(to_api_error(e))
         return JSONResponse(session_json(record), status_code=201)
 
-    @fastapi_app.get("/v1/sessions/{session_id}")
+    @fastapi_app.get("/v1/sessions/{session_id:path}")
     async def get_session(self, session_id: str) -> Response:
         try:
             record = await self._require_sessions().get(session_id)
@@ -906,7 +914,7 @@ class IngressDeployment(Ingress):
             return error_response(to_api_error(e))
         return JSONResponse(session_json(record))
 
-    @fastapi_app.delete("/v1/sessions/{session_id}")
+    @fastapi_app.delete("/v1/sessions/{session_id:path}")
     async def delete_session(self, session_id: str) -> Response:
         try:
             await self._require_sessions().delete(session_id)

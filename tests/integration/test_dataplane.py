@@ -182,6 +182,23 @@ async def test_session_expires_after_ttl(dataplane, redis_client):  # noqa: F811
         await dataplane.append_turn.remote(tenant, sid, 0, [{"role": "user", "content": "x"}], 1, shard_key=sid)
 
 
+async def test_using_a_session_pushes_its_expiry_out(dataplane, redis_client):  # noqa: F811
+    """``cache_ttl_s`` counts from the last use: a read and a turn each set the record's
+    Redis TTL back to the session's ``ttl_s``, and the expiry it reports moves with it."""
+    tenant = tenant_name()
+    rec = await new_session(dataplane, tenant, ttl_s=600)
+    key = keys.session_key(tenant, rec.id)
+    for use in (
+        lambda: dataplane.get_session.remote(tenant, rec.id, shard_key=rec.id),
+        lambda: dataplane.append_turn.remote(tenant, rec.id, 0, [{"role": "user", "content": "x"}], 1, shard_key=rec.id),
+    ):
+        redis_client.expire(key, 30)  # as if 570 s had passed since the last use
+        before = time.time()
+        used = await use()
+        assert 590 <= redis_client.ttl(key) <= 600
+        assert used.expires_at >= before + 590
+
+
 async def test_tenants_are_isolated(dataplane):
     a, b = tenant_name(), tenant_name()
     sid = (await new_session(dataplane, a)).id

@@ -5,6 +5,7 @@ changes no token."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -256,6 +257,43 @@ def test_racing_turns_one_wins_other_gets_409_nothing_lost(served_app):
     assert s["messages"][1]["content"] == winners[0].json()["choices"][0]["message"]["content"]
 
 
+def test_racing_streamed_turns_one_wins_the_others_end_with_a_409_event(served_app):
+    """A streamed reply has sent its 200 before its turn is appended: a turn that loses
+    the race ends its stream with the 409's error event (code
+    session_version_conflict) and ``[DONE]``, and only the winner's turn is stored."""
+    sid = new_session(served_app)["id"]
+
+    async def one(client, i):
+        body = {
+            "model": served_app.model_id,
+            "messages": [{"role": "user", "content": f"streamer {i}"}],
+            "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+        }
+        events = []
+        async with client.stream("POST", "/v1/chat/completions", headers={"X-Session-Id": sid}, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+        return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served_app.base_url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(3)))
+
+    streams = asyncio.run(main())
+    assert all(events[-1] == "[DONE]" for events in streams)
+    payloads = [[json.loads(e) for e in events[:-1]] for events in streams]
+    errors = [[p["error"] for p in ps if "error" in p] for ps in payloads]
+    won = [ps for ps, errs in zip(payloads, errors) if not errs]
+    lost = [errs for errs in errors if errs]
+    assert len(won) == 1 and len(lost) == 2, errors
+    assert all(len(errs) == 1 and errs[0]["code"] == "session_version_conflict" for errs in lost)
+    text = "".join(c["delta"].get("content") or "" for p in won[0] for c in p.get("choices", []))
+    s = get_session(served_app, sid).json()
+    assert s["version"] == 1 and s["messages"][1]["content"] == text
+
+
 def test_delete_then_404_and_turns_rejected(served_app):
     client = served_app.client()
     sid = new_session(served_app)["id"]
@@ -294,10 +332,29 @@ def test_delete_erases_the_sessions_kv_blocks_from_redis(served_app, redis_clien
 
 def test_unknown_and_malformed_session_ids(served_app):
     assert get_session(served_app, "sess_" + "0" * 32).status_code == 404
-    r = get_session(served_app, "not-a-session")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    base = f"{served_app.base_url}/v1/sessions/"
+    assert httpx.delete(base + "sess_" + "0" * 32, timeout=30).status_code == 404
+    # Malformed, wherever it is named: 400 naming the parameter (an id with a slash
+    # included, which no route would otherwise match: a 404 that said nothing).
+    for r in (
+        get_session(served_app, "not-a-session"),
+        httpx.delete(base + "not-a-session", timeout=30),
+        httpx.get(base + "sess_a%2Fb", timeout=30),
+        httpx.delete(base + "sess_a/b", timeout=30),
+    ):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
     with pytest.raises(openai.BadRequestError):
         turn(served_app.client(), served_app.model_id, "bogus", "hi")
+    # An empty name is a malformed one, not "no session": the client meant one, and a
+    # reply that was never stored would pass silently.
+    url = served_app.base_url + "/v1/chat/completions"
+    body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for r in (
+        httpx.post(url, json=body, headers={"X-Session-Id": ""}, timeout=30),
+        httpx.post(url, json={**body, "session_id": ""}, timeout=30),
+        httpx.post(url, json={**body, "session_id": "bogus"}, timeout=30),
+    ):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
 
 
 def test_a_session_turn_checks_its_body_before_its_session(served_app):

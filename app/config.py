@@ -465,6 +465,46 @@ class RedisConfig(_Strict):
     reconnect_interval_s: float = Field(
         default=1.0, gt=0, le=300, description="How often a degraded pool retries Redis."
     )
+    tls_ca_certs: Optional[str] = Field(
+        default=None,
+        description="rediss:// only: PEM file of the CA certificate(s) the server's "
+        "certificate must chain to; unset: the system's trust store.",
+    )
+    tls_certfile: Optional[str] = Field(
+        default=None,
+        description="rediss:// only: this client's certificate (PEM), for a server that "
+        "asks clients for one (redis-server --tls-auth-clients yes).",
+    )
+    tls_keyfile: Optional[str] = Field(
+        default=None, description="rediss:// only: the private key of tls_certfile (PEM)."
+    )
+    tls_verify: Literal["required", "none"] = Field(
+        default="required",
+        description="rediss:// only: `required` checks the server's certificate and host "
+        "name; `none` checks neither (encryption without authentication: tests only).",
+    )
+
+    @model_validator(mode="after")
+    def _tls(self) -> "RedisConfig":
+        tls_set = [
+            name for name in ("tls_ca_certs", "tls_certfile", "tls_keyfile")
+            if getattr(self, name) is not None
+        ] + (["tls_verify"] if self.tls_verify != "required" else [])
+        if tls_set and not self.url.startswith("rediss://"):
+            raise ValueError(f"{', '.join(tls_set)} need a rediss:// url (TLS), not {self.url.split('://')[0]}://")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together (a client certificate and its key)")
+        return self
+
+    def tls_kwargs(self) -> dict:
+        """redis-py's keyword arguments for these TLS settings (none for redis://)."""
+        if not self.url.startswith("rediss://"):
+            return {}
+        kwargs: dict = {"ssl_cert_reqs": self.tls_verify, "ssl_check_hostname": self.tls_verify == "required"}
+        for ours, theirs in (("tls_ca_certs", "ssl_ca_certs"), ("tls_certfile", "ssl_certfile"), ("tls_keyfile", "ssl_keyfile")):
+            if getattr(self, ours) is not None:
+                kwargs[theirs] = getattr(self, ours)
+        return kwargs
 
 
 class SessionConfig(_Strict):

@@ -221,9 +221,11 @@ def _record_from(session_id: str, fields: dict) -> SessionRecord:
 
 def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
     password = environ.get(cfg.password_env) if cfg.password_env else None
-    # rediss:// in the URL turns TLS on; redis-py reads it from the scheme.
+    # rediss:// in the URL turns TLS on (redis-py reads it from the scheme); the CA and
+    # client certificate come from the config (RedisConfig.tls_kwargs).
     return aioredis.Redis.from_url(
         cfg.url,
+        **cfg.tls_kwargs(),
         password=password or None,
         max_connections=cfg.pool_size,
         socket_timeout=cfg.socket_timeout_s,

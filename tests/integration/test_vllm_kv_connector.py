@@ -217,3 +217,24 @@ async def test_redis_down_requests_still_succeed(world, redis_server):
         assert len(out) == 4
     finally:
         redis_server.start()
+
+
+def test_the_connectors_redis_clients_take_the_configs_tls_settings():
+    """``dataplane.redis``'s TLS settings reach the connector through vLLM's extra config
+    (``kv_transfer_kwargs``), for each server; a redis:// server gets none."""
+    from app.config import RedisConfig
+    from deployments.compute.engines.vllm_engine import kv_transfer_kwargs
+    from deployments.compute.engines.vllm_kv_connector import _Redis
+
+    sessions = RedisConfig(url="rediss://127.0.0.1:1/0", tls_ca_certs="/ca.pem", tls_certfile="/c.pem", tls_keyfile="/c.key")
+    kv = RedisConfig(url="redis://127.0.0.1:2/0")
+    extra = kv_transfer_kwargs(
+        model_id="m", block_size=16, redis_url=sessions.url, redis_password_env=None, socket_timeout_s=1,
+        connect_timeout_s=1, retry_interval_s=1, kv_ttl_s=60, session_ttl_s=60, kv_redis_url=kv.url,
+        redis_tls=sessions.tls_kwargs(), kv_redis_tls=kv.tls_kwargs(),
+    )["kv_connector_extra_config"]
+    tls = _Redis(extra, "redis_").client().connection_pool.connection_kwargs
+    assert (tls["ssl_ca_certs"], tls["ssl_certfile"], tls["ssl_keyfile"], tls["ssl_cert_reqs"]) == (
+        "/ca.pem", "/c.pem", "/c.key", "required",
+    )
+    assert "ssl_ca_certs" not in _Redis(extra, "kv_redis_").client().connection_pool.connection_kwargs

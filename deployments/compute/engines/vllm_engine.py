@@ -86,6 +86,8 @@ def kv_transfer_kwargs(
     session_ttl_s: int,
     kv_redis_url: Optional[str] = None,
     kv_redis_password_env: Optional[str] = None,
+    redis_tls: Optional[dict] = None,
+    kv_redis_tls: Optional[dict] = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.config.KVTransferConfig`` that plug our data-plane
     connector (``vllm_kv_connector.py``) into vLLM (pure). The password travels as the
@@ -109,6 +111,9 @@ def kv_transfer_kwargs(
             # The KV blocks' own server (dataplane.kv_redis); None: the one above.
             "kv_redis_url": kv_redis_url,
             "kv_redis_password_env": kv_redis_password_env,
+            # redis-py's TLS arguments (RedisConfig.tls_kwargs: file paths, no secrets).
+            "redis_tls": dict(redis_tls or {}),
+            "kv_redis_tls": dict(kv_redis_tls or {}),
         },
     }
 
@@ -304,6 +309,8 @@ class VLLMEngine(Engine):
                 session_ttl_s=dp.sessions.cache_ttl_s,
                 kv_redis_url=dp.kv_redis.url if dp.kv_redis else None,
                 kv_redis_password_env=dp.kv_redis.password_env if dp.kv_redis else None,
+                redis_tls=dp.redis.tls_kwargs(),
+                kv_redis_tls=dp.kv_redis.tls_kwargs() if dp.kv_redis else None,
             )
         kwargs = engine_args_kwargs(
             model_path=model_path,

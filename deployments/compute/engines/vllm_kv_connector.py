@@ -133,6 +133,7 @@ class _Redis:
         self._url = str(extra.get(f"{prefix}url") or "redis://127.0.0.1:6379/0")
         env = extra.get(f"{prefix}password_env")
         self._password = (os.environ.get(env) if env else None) or None
+        self._tls = dict(extra.get(f"{prefix}tls") or {})
         self._socket_timeout = float(extra.get("socket_timeout_s", 2.0))
         self._connect_timeout = float(extra.get("connect_timeout_s", 1.0))
         self.retry_interval_s = float(extra.get("retry_interval_s", 1.0))
@@ -152,6 +153,7 @@ class _Redis:
 
             self._client = redis.Redis.from_url(
                 self._url,
+                **self._tls,
                 password=self._password,
                 socket_timeout=self._socket_timeout,
                 socket_connect_timeout=self._connect_timeout,

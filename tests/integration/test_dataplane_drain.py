@@ -454,3 +454,38 @@ async def test_a_session_that_expires_during_an_outage_stays_a_404():
         await eventually(lambda: _synced(a))
         assert await p.stored(sid("o")) == {}
         assert await a.get_session(TENANT, sid("o")) is None
+
+
+async def test_an_outage_is_one_log_line_and_one_gauge_change_each_way(caplog):
+    """However many calls fail and reconnects are tried meanwhile: one WARNING when Redis
+    goes, one INFO when it is back, and ``llm_dataplane_degraded{server}`` set to 1, then
+    0, once each."""
+    with LocalRedis() as server:
+        dp = dataplane(server.url)
+        gauge: list[tuple] = []
+        real_set = dp._m.set
+
+        def recording_set(name, value, tags=None):
+            if name == "degraded":
+                gauge.append((name, value, tags))
+            real_set(name, value, tags)
+
+        dp._m.set = recording_set
+        await dp.start()
+        gauge.clear()  # start() sets it to 0 for each server
+        try:
+            with serve_log_captured(caplog, logging.INFO):
+                await dp.create_session(TENANT, session_id=sid("q"), ttl_s=600)
+                server.stop()
+                for i in range(4):  # each kept in memory; the reconnect loop retries every 0.1 s
+                    await dp.append_turn(TENANT, sid("q"), i, [{"role": "user", "content": str(i)}], 1)
+                    await asyncio.sleep(0.15)
+                server.start()
+                await eventually(lambda: _synced(dp))
+            assert len(messages_containing(caplog, "DataPlane: Redis unreachable")) == 1
+            assert len(messages_containing(caplog, "DataPlane: Redis reachable again")) == 1
+            assert [(v, t) for _, v, t in gauge] == [
+                (1, {"server": "sessions"}), (1, {"server": "kv"}), (0, {"server": "sessions"}), (0, {"server": "kv"}),
+            ]
+        finally:
+            await dp.drain()

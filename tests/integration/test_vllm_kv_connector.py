@@ -54,6 +54,8 @@ SCENARIOS = {
     "so a reader that finds a header it does not know must treat the block as absent. ",
     "outage": "When the store goes away the engine keeps serving every request from its "
     "own memory and simply computes the whole prompt again, a little slower than before. ",
+    "evict": "A long conversation outlives the engine's own cache: other requests push its "
+    "blocks out, and the data plane is where the next turn of the session finds them. ",
 }
 
 
@@ -76,13 +78,14 @@ def _config(model_path, redis_url: str, *, kv: bool) -> AppConfig:
     )
 
 
-async def _run(engine: VLLMEngine, token_ids, max_tokens: int, tenant: str = "default"):
+async def _run(engine: VLLMEngine, token_ids, max_tokens: int, tenant: str = "default", session_id=None):
     """(output token ids, seconds to the first delta)."""
     req = GenerationRequest(
         request_id=uuid.uuid4().hex,
         prompt_token_ids=list(token_ids),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         tenant=tenant,
+        session_id=session_id,
     )
     out: list[int] = []
     started = time.perf_counter()
@@ -111,11 +114,14 @@ async def world(tiny_model_path, redis_server):
     turn1 = {name: tok(text)["input_ids"] for name, text in SCENARIOS.items()}
     w: dict = {"turn1": turn1, "turn2": {}, "ref": {}, "ttft_recompute": {}}
 
+    follow_up = tok(" And then what happened next?")["input_ids"]
     a = await _started(_config(tiny_model_path, redis_server.url, kv=True))
     try:
         for name, ids in turn1.items():
+            if name == "evict":
+                continue  # its turn 1 runs on b, in the test: nothing of it in Redis before
             out, _ = await _run(a, ids, TURN1_TOKENS)
-            w["turn2"][name] = ids + out + tok(" And then what happened next?")["input_ids"]
+            w["turn2"][name] = ids + out + follow_up
         w["a_capabilities"] = a.capabilities
     finally:
         await asyncio.wait_for(a.shutdown(), 60)
@@ -123,6 +129,8 @@ async def world(tiny_model_path, redis_server):
     r = await _started(_config(tiny_model_path, redis_server.url, kv=False))
     try:
         w["r_capabilities"] = r.capabilities
+        out, _ = await _run(r, turn1["evict"], TURN1_TOKENS)
+        w["turn2"]["evict"] = turn1["evict"] + out + follow_up
         for name, ids in w["turn2"].items():
             w["ref"][name], w["ttft_recompute"][name] = await _run(r, ids, 16)
     finally:
@@ -182,6 +190,25 @@ async def test_fresh_engine_loads_turn1_blocks_and_output_is_exact(world):
     assert out == world["ref"]["load"]
 
 
+async def test_a_session_turn_after_vllm_evicted_its_blocks_loads_them_and_output_is_exact(world, redis_client):
+    """One engine, one session: turn 1 runs (its blocks saved and listed under the
+    session), vLLM's own prefix cache then drops every block (what other requests'
+    pressure does; ``reset_prefix_cache``), and turn 2 finds its prefix in the data
+    plane: loaded, and the greedy output equals a recompute's."""
+    b, name, sid = world["b"], "evict", "sess_" + uuid.uuid4().hex
+    turn1 = world["turn1"][name]
+    assert redis_client.exists(keys.block_index_key("default", _hashes(turn1)[0])) == 0
+    out, _ = await _run(b, turn1, TURN1_TOKENS, session_id=sid)
+    assert turn1 + out == world["turn2"][name][: len(turn1) + TURN1_TOKENS]
+    assert redis_client.scard(keys.session_blocks_key("default", sid)) >= 3
+    assert await b._llm.reset_prefix_cache()  # vLLM's L1 is empty now
+    before = b.num_kv_connector_hit_tokens
+    out, _ = await _run(b, world["turn2"][name], 16, session_id=sid)
+    loaded = b.num_kv_connector_hit_tokens - before
+    assert loaded >= 3 * BLOCK, f"turn 2 loaded {loaded} tokens from the data plane"
+    assert out == world["ref"][name]
+
+
 async def test_corrupted_payload_is_a_miss_and_output_is_exact(world, redis_client):
     ids = world["turn2"]["corrupt"]
     h = _hashes(ids)[1]
@@ -219,7 +246,7 @@ async def test_redis_down_requests_still_succeed(world, redis_server):
         redis_server.start()
 
 
-def test_the_connectors_redis_clients_take_the_configs_tls_settings():
+async def test_the_connectors_redis_clients_take_the_configs_tls_settings():
     """``dataplane.redis``'s TLS settings reach the connector through vLLM's extra config
     (``kv_transfer_kwargs``), for each server; a redis:// server gets none."""
     from app.config import RedisConfig

@@ -90,6 +90,7 @@ def _named_session(request: Request, req) -> Optional[str]:
     header = request.headers.get("x-session-id")
     return header if header is not None else req.session_id
 
+
 class _Metrics:
     def __init__(self):
         tags = ("endpoint",)

@@ -220,6 +220,11 @@ class _Metrics:
             "503: the owner lives, and two replicas taking turns would fork the session).",
             tag_keys=("outcome",),
         )
+        self.deleted_session_blocks = m.Counter(
+            "llm_dataplane_deleted_session_blocks",
+            "Blocks that arrived for a session after its delete (a worker's export that "
+            "came after the client's DELETE), erased at once.",
+        )
         self.append_replays = m.Counter(
             "llm_dataplane_session_append_replays",
             "Session appends made again after they had landed (same turn id), answered as their success.",
@@ -1005,6 +1010,7 @@ class DataPlane(DrainsOnStop):
         if await self._store.add_session_blocks(tenant, session_id, members, self._cfg.sessions.cache_ttl_s):
             return True
         self._counts["blocks_of_deleted_sessions"] += len(members)
+        self._m.inc("deleted_session_blocks", len(members))
         logger.info(
             "DataPlane: %d blocks arrived for session %s after its delete; erased", len(members), session_id
         )
@@ -1341,8 +1347,9 @@ class DataPlane(DrainsOnStop):
     async def drop_l2_blocks(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
     ) -> int:
-        """Remove blocks from this replica's L2 only (dirty or not). Used by
-        ``delete_session`` on the replica that owns each of the session's chains."""
+        """Remove blocks from this replica's L2 only (dirty or not); a write of them to
+        the KV server under way erases them again when done. A session's delete calls
+        it on every replica (``_drop_blocks_everywhere``)."""
         dropped = [keys.block_key(tenant, h) for h in hashes]
         for under_way in self._writes_in_flight.values():
             under_way.update(dropped)

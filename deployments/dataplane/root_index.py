@@ -116,6 +116,12 @@ class RootIndex:
             return True
         return root in t.roots
 
+    def holds(self, tenant: str, root: str) -> bool:
+        """The mirror lists a chain starting with ``root`` (stored within ``kv_ttl_s``,
+        fresh or not): its prefix is known, worth a prefetch."""
+        t = self._tenants.get(tenant)
+        return t is not None and root in t.roots
+
     def fresh(self, tenant: str) -> bool:
         t = self._tenants.get(tenant)
         return (

@@ -387,15 +387,19 @@ class Router:
             self._session_chain_hashes -= len(dropped)
 
     def _prefetch(self, request: GenerationRequest, hashes: Optional[list[str]] = None) -> bool:
-        """Ask the data plane to bring a session's blocks up to host memory while the
-        request waits here: compute (queueing) and data (fetching) overlap. Whether it did."""
-        if request.session_id is None:
-            return False
+        """Ask the data plane to bring a request's blocks up to host memory while the
+        request waits here: compute (queueing) and data (fetching) overlap. For a request
+        that names a session, or whose prefix is known (the root index lists its chain's
+        first block); another's blocks are most likely nowhere. Whether it did."""
         if not self._prefetches_now():
             # Dispatched at once: the router-started lookup serves it instead.
             return False
         hashes = self._kv_hashes(request) if hashes is None else hashes
         if not hashes:
+            return False
+        if request.session_id is None and (
+            self._root_index is None or not self._root_index.holds(request.tenant, hashes[0])
+        ):
             return False
         self._m_prefetch.inc()
         task = asyncio.ensure_future(

@@ -119,13 +119,25 @@ async def test_prefetch_policy(one_worker, policy, inflight, expected):
         assert len(hashes) == 3 and kwargs["shard_key"] == hashes[0]
 
 
-async def test_no_prefetch_for_requests_without_a_session(one_worker):
+async def test_a_request_without_a_session_is_prefetched_only_when_its_prefix_is_known(one_worker):
+    from deployments.dataplane.root_index import RootIndex
+
+    async def fetch(tenant, since, limit):
+        return []
+
     dp = _DataPlane()
-    router = _router("always", dp)
     request = _session_request()
     request.session_id = None
-    router._prefetch(request)
-    assert dp.prefetch.calls == []
+    assert _router("always", dp)._prefetch(request) is False  # no root index: nothing known
+    index = RootIndex(fetch, sync_interval_s=60)
+    config = {"dataplane": {"prefetch": "always", "block_size": 16}, "engine": {"name": "torch"}}
+    router = Router(_Worker(), config, dp, root_index=index)
+    assert router._prefetch(request) is False  # a prefix nobody stored
+    hashes = router._kv_hashes(request)
+    index.add(request.tenant, hashes[0])  # its chain was stored (by an earlier request)
+    assert router._prefetch(request) is True
+    await asyncio.sleep(0)
+    assert [c[0][1] for c in dp.prefetch.calls] == [hashes]
 
 
 async def test_router_starts_the_lookup_the_worker_would_make(one_worker):

@@ -10,6 +10,8 @@ the whole pipeline, then the transport's buffer). Measured on the 2-core test ma
   form that crosses the Serve hop (``blocks.pack_blocks``), so a block read from Redis is
   copied once, by the kernel, before Ray's object store takes it. A large read goes as
   several MGETs of a few MiB, one after the other, which Redis serves about twice as fast.
+  A client reads one call at a time (``MGET_CALLS_AT_ONCE``); calls made meanwhile
+  queue in order.
 * :meth:`RawBlockClient.pipeline` sends commands with ``sendmsg`` over the caller's
   buffers (memoryviews of L2) and parses the small replies.
 
@@ -25,6 +27,8 @@ pieces of progress, not for the whole call: a 16 MiB reply on a busy machine is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 from collections import deque
 from typing import Callable, Optional, Sequence
@@ -46,6 +50,12 @@ MGET_IN_FLIGHT_BYTES = 4 << 20
 _VALUE_GUESS = 64 * 1024
 # MGETs of one call outstanding on its connection at once.
 MGET_AHEAD = 2
+# mget_packed calls of one client reading at once (0: no limit); the others queue, in
+# order. Four 16 MiB reads at once from one process ran at 0.82 GB/s (median of ten
+# rounds), one after the other at 1.06 (loadtests/README.md, "One L3 read at a time"):
+# they share one CPU for the socket reads and checks, and each finishes later side by
+# side than in turn. LLM_RAW_MGET_CALLS_AT_ONCE sets it (benchmarks).
+MGET_CALLS_AT_ONCE = int(os.environ.get("LLM_RAW_MGET_CALLS_AT_ONCE", "1"))
 
 
 def _arg(a) -> bytes | memoryview:
@@ -246,6 +256,7 @@ class RawBlockClient:
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(pool_size)
         self._mgets_in_flight = 0
+        self._mget_turns = asyncio.Semaphore(MGET_CALLS_AT_ONCE) if MGET_CALLS_AT_ONCE > 0 else None
         # A value's size as the last call read them (the first piece of a call is sized
         # by it).
         self._value_hint = _VALUE_GUESS
@@ -444,11 +455,13 @@ class RawBlockClient:
                 return out[:offset].copy(), lengths, failed
             return out[:offset], lengths, failed
 
-        self._mgets_in_flight += 1
-        try:
-            data, lengths, failed = await self._run(run)
-        finally:
-            self._mgets_in_flight -= 1
+        turn = self._mget_turns if self._mget_turns is not None else contextlib.nullcontext()
+        async with turn:
+            self._mgets_in_flight += 1
+            try:
+                data, lengths, failed = await self._run(run)
+            finally:
+                self._mgets_in_flight -= 1
         if failed is not None:
             raise failed  # after the connection went back to the pool
         return data, lengths

@@ -117,6 +117,37 @@ async def test_a_large_mget_goes_in_pieces_on_one_connection_and_reads_the_same(
         await client.aclose()
 
 
+async def test_reads_made_at_once_on_one_client_go_one_after_the_other_in_order(redis_server, monkeypatch):
+    """Four reads made at once: each one's MGETs are all sent and read before the next
+    read sends its first (MGET_CALLS_AT_ONCE), in the order the reads were made, and
+    each gets its own values."""
+    from deployments.dataplane import resp
+
+    client, raw = raw_client(redis_server.url)
+    order: list[bytes] = []
+    real_send = resp._Conn.send
+
+    async def noting_send(self, buffers):
+        order.append(bytes(buffers[0])[:40])
+        return await real_send(self, buffers)
+
+    monkeypatch.setattr(resp._Conn, "send", noting_send)
+    monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 250_000)  # ~2 values a piece
+    try:
+        groups = [[f"io:q{g}-{i}" for i in range(6)] for g in range(4)]
+        await client.mset({k: os.urandom(100_000) for ks in groups for k in ks})
+        expected = [await client.mget(ks) for ks in groups]
+        results = await asyncio.gather(*(raw.mget_packed(ks) for ks in groups))
+        for (data, lengths), want in zip(results, expected):
+            assert bytes(data) == b"".join(want) and lengths == [len(v) for v in want]
+        reads = [next(g for g in range(4) if f"io:q{g}-".encode() in head) for head in order]
+        assert reads == sorted(reads) and len(set(reads)) == 4, reads  # read by read, in order
+        assert len(reads) > 4  # each read in pieces
+    finally:
+        raw.close()
+        await client.aclose()
+
+
 async def test_pieces_go_ahead_of_the_reply_and_each_value_is_handed_over_as_it_arrives(redis_server, monkeypatch):
     from deployments.dataplane import resp
 

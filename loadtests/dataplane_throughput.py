@@ -75,11 +75,11 @@ def _say(msg: str) -> None:
     print(f"[dp-throughput] {msg}", file=sys.stderr, flush=True)
 
 
-def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0) -> dict:
-    """GB/s of ``redis-benchmark -t set,get``: on one key (its default), or with
-    ``keyspace`` on random keys among that many (``-r``)."""
+def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0, tests: str = "set,get") -> dict:
+    """GB/s of ``redis-benchmark -t set,get`` (or ``tests``): on one key (its default),
+    or with ``keyspace`` on random keys among that many (``-r``)."""
     out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get",
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", tests,
          "-d", str(size), "-n", str(n), "-c", str(clients), "-q"]
         + (["-r", str(keyspace)] if keyspace else []),
         capture_output=True, text=True, timeout=600, check=True,

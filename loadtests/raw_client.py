@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,20 +27,16 @@ import numpy as np
 
 from app.local_redis import LocalRedis
 from deployments.dataplane.resp import RawBlockClient
+from loadtests.dataplane_throughput import redis_benchmark
 
 
 def _say(msg: str) -> None:
     print(f"[raw-client] {msg}", file=sys.stderr, flush=True)
 
 
-def _peer(port: int, test: str, size: int, keys: int, n: int) -> float:
-    out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", test, "-d", str(size),
-         "-c", "4", "-r", str(keys), "-n", str(n), "-q"],
-        capture_output=True, text=True, timeout=600, check=True,
-    ).stdout
-    rps = re.findall(rf"{test.upper()}: ([\d.]+) requests per second", out.replace("\r", "\n"))
-    return float(rps[0]) * size / 1e9
+def _peer(port: int, test: str, size: int, keys: int) -> float:
+    """redis-benchmark's GB/s for one test, 4 clients, on ``keys`` random keys."""
+    return redis_benchmark(port, size, 2 * keys, 4, keyspace=keys, tests=test)[test]
 
 
 async def _sets(client: RawBlockClient, blocks: list, batch: int, in_flight: int) -> float:
@@ -84,10 +78,10 @@ async def run(args) -> dict:
         variants = {"set_1": ("set", 1), "set_4": ("set", 4), "mget_1": ("get", 1), "mget_4": ("get", 4)}
         rounds = []
         for r in range(args.rounds + 1):  # round 0 warms up (fresh memory on both sides)
-            row = {"peer_set": _peer(server.port, "set", size, args.num_blocks, 2 * args.num_blocks)}
+            row = {"peer_set": _peer(server.port, "set", size, args.num_blocks)}
             row["set_1"] = await _sets(client, blocks, args.batch, 1)
             row["set_4"] = await _sets(client, blocks, args.batch, 4)
-            row["peer_get"] = _peer(server.port, "get", size, args.num_blocks, 2 * args.num_blocks)
+            row["peer_get"] = _peer(server.port, "get", size, args.num_blocks)
             row["mget_1"] = await _mgets(client, args.num_blocks, size, args.batch, 1)
             row["mget_4"] = await _mgets(client, args.num_blocks, size, args.batch, 4)
             _say(f"round {r}{' (warm-up)' if r == 0 else ''}: " + json.dumps({k: round(v, 2) for k, v in row.items()}))

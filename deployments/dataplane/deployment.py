@@ -121,14 +121,6 @@ def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resid
     return unpack_blocks(memoryview(owned).toreadonly(), [len(a) for a in arrays]), None
 
 
-def _hashes_by_tenant(block_keys: Iterable[str]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = defaultdict(list)
-    for key in block_keys:
-        tenant, block_hash = keys.split_block_key(key)
-        out[tenant].append(block_hash)
-    return out
-
-
 def _settle(pending: dict, key, done: set) -> None:
     """Take what one write carried (``done``) out of ``pending[key]``; members added while
     it was in flight stay for the next pass."""
@@ -867,9 +859,10 @@ class DataPlane(DrainsOnStop):
         finally:
             del self._writes_in_flight[token]
             if dropped:
-                written = {key for key, _ in items} & dropped
-                for tenant, hashes in _hashes_by_tenant(written).items():
-                    await self._erase_member_blocks(tenant, [keys.session_block_member(h, h) for h in hashes])
+                for tenant, blocks in by_tenant.items():
+                    gone = [h for h, _ in blocks if keys.block_key(tenant, h) in dropped]
+                    if gone:
+                        await self._erase_member_blocks(tenant, [keys.session_block_member(h, h) for h in gone])
 
     async def _write_dirty_blocks(self) -> int:
         items = self._l2.dirty_items()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 from ray.serve import Application
 
@@ -118,6 +119,17 @@ def with_serve_runtime(deployment, config: AppConfig, *, heap_prefault: bool = F
     return deployment.options(ray_actor_options=actor)
 
 
+def l1_worker_deployment(config: AppConfig) -> Optional[str]:
+    """The deployment whose replicas run engines with an L1 of their own that a session's
+    delete must reach (the torch engine's prefix cache: "ComputeWorker", or "Server" where
+    the ingress and its worker share a replica); None when the engine keeps none that can
+    drop single blocks (vLLM) or reuse is off."""
+    engine = config.engine
+    if engine.name != "torch" or engine.prefix_cache_bytes == 0 or not config.dataplane.kv_reuse:
+        return None
+    return "Server" if config.ingress.with_worker else "ComputeWorker"
+
+
 def build_app(args: dict | None = None) -> Application:
     config = AppConfig.model_validate(args or {})
     if config.model.build_preset:
@@ -138,7 +150,9 @@ def build_app(args: dict | None = None) -> Application:
     if resolved.dataplane.enabled:
         from deployments.dataplane.deployment import dataplane_deployment
 
-        dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(payload)
+        dataplane = with_serve_runtime(dataplane_deployment(resolved), resolved).bind(
+            payload, worker_deployment=l1_worker_deployment(resolved)
+        )
     if resolved.ingress.with_worker:
         # The ingress and its worker in one process (app/server.py): no Serve hop per token.
         from app.server import server_deployment

@@ -190,6 +190,9 @@ class Server(IngressDeployment):
     def kv_stats(self) -> dict:
         return self._local_worker.kv_stats()
 
+    def drop_kv_blocks(self, hashes: list[str]) -> int:
+        return self._local_worker.drop_kv_blocks(hashes)
+
     def debug_kill_engine(self) -> list[int]:
         return self._local_worker.debug_kill_engine()
 

@@ -186,6 +186,7 @@ class ComputeWorker(DrainsOnStop):
                 ("fetch_failures", "KV fetches that failed or returned a bad block (then recomputed)."),
                 ("blocks_exported", "KV blocks handed to the data plane."),
                 ("l1_hit_tokens", "Prompt tokens whose KV came from the worker's own L1 prefix cache."),
+                ("l1_dropped_blocks", "KV blocks dropped from the worker's L1 prefix cache because their session was deleted."),
                 ("arena_fallbacks", "KV buffers that came from malloc because the KV arena had no room for them."),
                 ("early_lookups_used", "Prefix lookups started by the router that the worker used instead of its own."),
                 ("early_lookups_failed", "Router-started prefix lookups that failed (the worker then asked itself)."),
@@ -358,6 +359,17 @@ class ComputeWorker(DrainsOnStop):
             "prefill_fixed_seconds": getattr(s, "prefill_fixed_seconds", None),
             "import_bytes_per_s": dict(getattr(s, "import_bytes_per_s", {})),
         }
+
+    def drop_kv_blocks(self, hashes: list[str]) -> int:
+        """Drop these KV blocks from the engine's own prefix cache (L1): a deleted
+        session's, which ``DataPlane.delete_session`` broadcasts to every worker replica.
+        How many it held; 0 for an engine that cannot drop single blocks (vLLM's prefix
+        cache has no call for it: only ``reset_prefix_cache``, every block at once)."""
+        drop = getattr(self._engine, "drop_cached_blocks", None)
+        n = drop(hashes) if drop is not None else 0
+        if n:
+            logger.info("dropped %d of %d KV blocks of a deleted session from L1", n, len(hashes))
+        return n
 
     def capabilities(self) -> EngineCapabilities:
         return self._engine.capabilities

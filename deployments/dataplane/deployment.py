@@ -72,7 +72,8 @@ logger = logging.getLogger("ray.serve")
 MAX_CACHED_SESSIONS = 100_000
 # Blocks per Redis round trip in write-behind and resync.
 WRITE_BATCH = 256
-# How long a session delete waits for every replica to drop its blocks from L2.
+# How long a session delete waits for every replica to drop its blocks from L2, and
+# every worker replica from its L1.
 DROP_BROADCAST_TIMEOUT_S = 5.0
 # Chain roots kept per tenant for publishing while Redis is unreachable.
 MAX_PENDING_ROOTS = 100_000
@@ -245,7 +246,11 @@ class DataPlane(DrainsOnStop):
         store_factory: Optional[Callable[[DataPlaneConfig], RedisStore]] = None,
         enable_metrics: bool = True,
         object_store: Optional[bool] = None,
+        worker_deployment: Optional[str] = None,
     ):
+        """``worker_deployment``: the deployment of this application whose replicas run
+        engines with their own L1 (``app.builder.l1_worker_deployment``), which a
+        session's delete reaches too; None: no such L1 (or none to reach)."""
         app_config = AppConfig.model_validate(config)
         telemetry.setup(app_config.telemetry, "dataplane")
         self._cfg: DataPlaneConfig = app_config.dataplane
@@ -303,6 +308,10 @@ class DataPlane(DrainsOnStop):
         self._roots: dict[str, set[str]] = defaultdict(set)
         self._tasks: list[asyncio.Task] = []
         self._peers = None
+        # The workers whose L1 a session's delete reaches; the handle is made at the
+        # first delete.
+        self._worker_deployment = worker_deployment
+        self._workers = None
         self._started = False
         self._drain_started = False
 
@@ -1620,29 +1629,52 @@ class DataPlane(DrainsOnStop):
         """Drop blocks (session block-list members) from the L2 of every replica: here
         first (cheap), then on each replica of the pool at once (Serve's broadcast). Not
         only the chain's owner: a put that found the owner full went to a fallback, and
-        an owner before the ring last changed may still hold them. A replica that does
-        not answer in ``DROP_BROADCAST_TIMEOUT_S`` is logged (its blocks then leave L2 by
-        eviction, and are gone from L3)."""
+        an owner before the ring last changed may still hold them. The workers' own L1
+        (the torch engine's prefix cache) drops them at the same time, on every worker
+        replica. A replica that does not answer in ``DROP_BROADCAST_TIMEOUT_S`` is logged
+        (its blocks then leave L2 or L1 by eviction, and are gone from L3)."""
         hashes = sorted({keys.split_session_block_member(m)[1] for m in members})
         if not hashes:
             return
         await self.drop_l2_blocks(tenant, hashes)
-        handle = self._peers
+        await asyncio.gather(
+            self._broadcast_drop(self._peers, "the other replicas' L2", "drop_l2_blocks", tenant, hashes),
+            self._broadcast_drop(self._worker_handle(), "the workers' L1", "drop_kv_blocks", hashes),
+        )
+
+    @staticmethod
+    async def _broadcast_drop(handle, where: str, method: str, *args) -> None:
+        """``method(*args)`` on every replica of ``handle``'s deployment (none: nothing to
+        reach); a failure is logged, never raised (a delete does not fail on it)."""
         if handle is None:
             return
+        num_blocks = len(args[-1])
         try:
-            results = await handle.broadcast("drop_l2_blocks", tenant, hashes).results_async(
+            results = await handle.broadcast(method, *args).results_async(
                 timeout_s=DROP_BROADCAST_TIMEOUT_S, return_exceptions=True
             )
-        except Exception as e:  # noqa: BLE001 - the pool unreachable as a whole
-            logger.warning("DataPlane: could not drop %d blocks of a deleted session from the other replicas' L2: %s", len(hashes), e)
+        except Exception as e:  # noqa: BLE001 - the deployment unreachable as a whole
+            logger.warning("DataPlane: could not drop %d blocks of a deleted session from %s: %s", num_blocks, where, e)
             return
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             logger.warning(
                 "DataPlane: %d of %d replicas did not drop %d blocks of a deleted session from "
-                "their L2: %s", len(failed), len(results), len(hashes), failed[0],
+                "%s: %s", len(failed), len(results), num_blocks, where, failed[0],
             )
+
+    def _worker_handle(self):
+        """The handle to the worker replicas whose L1 a delete reaches (None: no such L1,
+        or not running under Serve)."""
+        if self._workers is None and self._worker_deployment is not None:
+            try:
+                from ray import serve
+
+                ctx = serve.get_replica_context()
+                self._workers = serve.get_deployment_handle(self._worker_deployment, ctx.app_name)
+            except Exception:  # noqa: BLE001 - outside Serve (tests): no workers to reach
+                self._worker_deployment = None
+        return self._workers
 
     async def _warm_peers(self) -> None:
         try:

@@ -330,6 +330,49 @@ def test_delete_erases_the_sessions_kv_blocks_from_redis(served_app, redis_clien
     assert redis_client.exists(*block_keys) == 0 and not redis_client.exists(listed)
 
 
+# The torch engine's L1 (vLLM's prefix cache has no call to drop single blocks).
+@pytest.mark.parametrize("served_app", ["torch"], indirect=True)
+def test_delete_drops_the_sessions_blocks_from_the_workers_l1_too(served_app, redis_client):
+    """A deleted session's blocks leave the worker's own prefix cache (L1) as well as L2
+    and L3: the same prompt afterwards reuses nothing from any tier and recomputes the
+    same tokens. Before the delete it came from L1."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from app.sessions import exact_prompt_ids
+    from deployments.dataplane import keys
+
+    worker = worker_handle("llm")
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    rng = random.Random()
+    text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(40))  # blocks no other test has
+    turn(client, served_app.model_id, sid, text, max_tokens=4)
+    listed = keys.session_blocks_key("default", sid)
+    wait_for(lambda: redis_client.scard(listed), 30, "the session's blocks listed under it")
+    tokenizer = AutoTokenizer.from_pretrained(served_app.model_path)
+    prompt = exact_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+    full_blocks = (len(prompt) - 1) // 16  # the last prompt token is always computed
+
+    def ask():
+        before = worker.kv_stats.remote().result(timeout_s=30)
+        out = client.completions.create(model=served_app.model_id, prompt=prompt, temperature=0, max_tokens=4)
+        after = worker.kv_stats.remote().result(timeout_s=30)
+        return out.choices[0].text, {k: after[k] - before[k] for k in ("l1_hit_tokens", "prefix_hit_tokens", "l1_dropped_blocks")}
+
+    first, reused = ask()
+    assert full_blocks >= 3 and reused["l1_hit_tokens"] == full_blocks * 16, reused
+    dropped_before = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"]
+    assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
+    # The turn's blocks (its prompt's and its reply's whole blocks) left L1 with the delete.
+    dropped = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"] - dropped_before
+    assert dropped >= full_blocks, dropped
+    again, reused = ask()
+    assert reused["prefix_hit_tokens"] == 0 and reused["l1_hit_tokens"] == 0, reused
+    assert again == first
+
+
 def test_unknown_and_malformed_session_ids(served_app):
     assert get_session(served_app, "sess_" + "0" * 32).status_code == 404
     base = f"{served_app.base_url}/v1/sessions/"

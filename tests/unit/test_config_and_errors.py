@@ -142,3 +142,19 @@ def test_merge_exposition_groups_families_across_nodes():
     i = lines.index("# TYPE x_total counter")
     assert lines[i + 1 : i + 3] == ['x_total{node="a"} 1.0', 'x_total{node="b"} 3.0']
     assert "y 2.5" in lines
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({}, "ComputeWorker"),  # torch, apart by default
+        ({"ingress": {"with_worker": True}}, "Server"),
+        ({"engine": {"prefix_cache_bytes": 0}}, None),  # no L1
+        ({"dataplane": {"kv_reuse": False}}, None),  # L1 is part of reuse
+        ({"engine": {"name": "vllm"}}, None),  # vLLM's prefix cache cannot drop single blocks
+    ],
+)
+def test_a_session_delete_reaches_the_l1_of_the_deployment_that_runs_torch_engines(args, expected):
+    from app.builder import l1_worker_deployment
+
+    assert l1_worker_deployment(AppConfig.model_validate(args)) == expected

@@ -71,3 +71,24 @@ def test_packed_keys_are_the_placement_keys_of_recent_blocks():
     keys = unpack_keys(cache.packed_keys())
     assert keys == {block_key(h) for h in HASHES[2:5]}
     assert cache.packed_keys() is cache.packed_keys()  # cached until the next change
+
+
+def test_discard_drops_only_the_blocks_named_and_frees_their_bytes():
+    cache = PrefixCache(1 << 20, BS)
+    cache.put(HASHES[:4], span(4))
+    reported = unpack_keys(cache.packed_keys())
+    # A deleted session's blocks: two held, one never held.
+    assert cache.discard([HASHES[1], HASHES[3], HASHES[6]]) == 2
+    assert len(cache) == 2 and cache.num_bytes == 2 * BLOCK_BYTES
+    assert cache.longest_prefix(HASHES[:4]) == 1  # the chain breaks where block 1 was
+    assert cache.get(HASHES[1:2]) is None
+    torch.testing.assert_close(cache.get(HASHES[:1]), span(4)[:, :, :, :BS])
+    # Placement no longer hears of them.
+    assert unpack_keys(cache.packed_keys()) == reported - {block_key(HASHES[1]), block_key(HASHES[3])}
+    assert cache.discard([HASHES[1]]) == 0
+    # The freed bytes are room again: nothing else is evicted to fit two new blocks.
+    small = PrefixCache(3 * BLOCK_BYTES, BS)
+    small.put(HASHES[:3], span(3))
+    small.discard(HASHES[1:3])
+    small.put(HASHES[4:6], span(2))
+    assert small.longest_prefix(HASHES[:1]) == 1 and small.evictions == 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -100,6 +100,20 @@ class PrefixCache:
                 self._bytes -= old.numel() * old.element_size()
                 self.evictions += 1
             self._version += 1
+
+    def discard(self, hashes: Iterable[str]) -> int:
+        """Drop these blocks, those held here; how many were. A deleted session's blocks
+        leave this way (``DataPlane.delete_session`` → ``ComputeWorker.drop_kv_blocks``)."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                block = self._blocks.pop(h, None)
+                if block is not None:
+                    self._bytes -= block.numel() * block.element_size()
+                    n += 1
+            if n:
+                self._version += 1  # the keys reported for placement change
+        return n
 
     def packed_keys(self) -> bytes:
         """The most recently used ``max_reported_keys`` hashes, first 8 bytes each,

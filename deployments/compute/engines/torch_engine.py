@@ -122,6 +122,8 @@ class KVStats:
     # Prompt tokens whose K/V came from this worker's own L1 prefix cache (a subset of
     # prefix_hit_tokens, which counts every reused token).
     l1_hit_tokens: int = 0
+    # Blocks dropped from L1 because their session was deleted (drop_cached_blocks).
+    l1_dropped_blocks: int = 0
     # The process's KV arena (kv_arena.py): buffers it had no room for (they came from
     # malloc), and its bytes in use and in all; 0 while there is none.
     arena_fallbacks: int = 0
@@ -428,6 +430,7 @@ class TorchEngine(Engine):
             blocks_exported=s.blocks_exported,
             export_failures=s.export_failures,
             l1_hit_tokens=s.l1_hit_tokens,
+            l1_dropped_blocks=s.l1_dropped_blocks,
             **self._arena_stats(),
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
             prefill_fixed_seconds=self.prefill_fixed_seconds(),
@@ -448,6 +451,16 @@ class TorchEngine(Engine):
             "arena_used_bytes": stats["used_bytes"],
             "arena_capacity_bytes": stats["capacity_bytes"],
         }
+
+    def drop_cached_blocks(self, hashes: list[str]) -> int:
+        """Drop these KV blocks (a deleted session's) from L1; how many it held. A request
+        still running with them keeps its own copy, and one of that session's turns that
+        was under way as it was deleted may put its blocks back when it ends."""
+        if self._l1 is None:
+            return 0
+        n = self._l1.discard(hashes)
+        self._kv_stats.l1_dropped_blocks += n
+        return n
 
     def num_pending_kv_exports(self) -> int:
         """Exports scheduled and not yet handed to ``connector.save``."""

@@ -217,6 +217,26 @@ def test_malformed_json_is_400(served_app):
 
 
 @pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/chat/completions", rb'"messages": [{"role": "user", "content": "lone \ud800 high"}]', "messages.0.content"),
+        ("/v1/chat/completions", rb'"messages": [{"role": "user", "content": "hi"}], "stop": ["\uDC00"]', "stop.0"),
+        ("/v1/completions", rb'"prompt": "tail \udfff"', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, param):
+    """JSON can escape half of a UTF-16 pair alone; that is no Unicode text, and the
+    tokenizer could not encode it (a 500 before). A whole pair is a character."""
+    body = b'{"model": "%s", "max_tokens": 2, %s}' % (served_app.model_id.encode(), raw)
+    r = post(served_app, path, content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400, param)
+    assert "surrogate" in err["message"]
+    pair = body.replace(rb"\ud800", rb"\ud83d\ude00").replace(rb"\uDC00", rb"\ud83d\ude00").replace(rb"\udfff", rb"\ud83d\ude00")
+    ok = post(served_app, path, content=pair, headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(
     "override, param",
     [
         ({"messages": None}, "messages"),

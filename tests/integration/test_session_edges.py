@@ -107,8 +107,8 @@ def test_truncate_oldest_drops_the_oldest_messages_from_the_prompt_and_keeps_the
     assert truncated_turns >= 3, truncated_turns
     shown = httpx.get(f"{base_url}/v1/sessions/{sid}", timeout=30).json()
     assert len(shown["messages"]) == 2 * len(texts)
-    # Its token count is the last turn's (the part of the history it sent, and the reply).
-    assert shown["num_tokens"] <= MAX_MODEL_LEN
+    # Its token count is the last turn's: the part of the history it sent, and the reply.
+    assert shown["num_tokens"] == reply.usage.prompt_tokens + reply.usage.completion_tokens <= MAX_MODEL_LEN
 
 
 def _wait_for_blocks_in_redis(redis_client, sid: str) -> list[str]:

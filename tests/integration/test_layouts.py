@@ -89,7 +89,8 @@ def test_a_session_keeps_its_turns(other_layout_app, served_app):
     before = worker.kv_stats.remote().result(timeout_s=60)
     sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
     client = _client(base_url)
-    for question in ("Hello there", "And then?"):
+    questions = ("Hello there", "And then? " * 8)  # a prompt of whole KV blocks by the second turn
+    for question in questions:
         reply = client.chat.completions.create(
             model=served_app.model_id,
             messages=[{"role": "user", "content": question}],
@@ -106,7 +107,13 @@ def test_a_session_keeps_its_turns(other_layout_app, served_app):
         after = worker.kv_stats.remote().result(timeout_s=60)
         assert after["early_lookups_used"] > before["early_lookups_used"], (before, after)
         assert after["early_lookups_failed"] == before["early_lookups_failed"], (before, after)
-    assert [m["content"] for m in record["messages"][::2]] == ["Hello there", "And then?"]
+    assert [m["content"] for m in record["messages"][::2]] == list(questions)
+    if served_app.engine == "torch":
+        # A delete reaches this layout's L1 too: the data plane's broadcast goes to the
+        # deployment that runs the engine here ("Server" in one process, else "ComputeWorker").
+        dropped = worker.kv_stats.remote().result(timeout_s=60)["l1_dropped_blocks"]
+        assert httpx.delete(f"{base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
+        assert worker.kv_stats.remote().result(timeout_s=60)["l1_dropped_blocks"] > dropped
 
 
 def test_bad_input_gets_the_same_errors(other_layout_app, served_app):

@@ -346,7 +346,7 @@ class DataPlane(DrainsOnStop):
         # The handle to the other replicas (for deleting a session's blocks on their
         # shard) is made now and used once, so its request router already knows every
         # replica when a delete needs the hash ring; a fresh one may not yet.
-        self._peers = self._self_handle()
+        self._peers = self._app_handle()
         if self._peers is not None:
             self._tasks.append(loop.create_task(self._warm_peers()))
 
@@ -1667,13 +1667,9 @@ class DataPlane(DrainsOnStop):
         """The handle to the worker replicas whose L1 a delete reaches (None: no such L1,
         or not running under Serve)."""
         if self._workers is None and self._worker_deployment is not None:
-            try:
-                from ray import serve
-
-                ctx = serve.get_replica_context()
-                self._workers = serve.get_deployment_handle(self._worker_deployment, ctx.app_name)
-            except Exception:  # noqa: BLE001 - outside Serve (tests): no workers to reach
-                self._worker_deployment = None
+            self._workers = self._app_handle(self._worker_deployment)
+            if self._workers is None:
+                self._worker_deployment = None  # outside Serve (tests): no workers to reach
         return self._workers
 
     async def _warm_peers(self) -> None:
@@ -1682,13 +1678,16 @@ class DataPlane(DrainsOnStop):
         except Exception as e:  # noqa: BLE001 - only a warm-up
             logger.debug("DataPlane: peer handle warm-up failed: %s", e)
 
-    def _self_handle(self):
+    @staticmethod
+    def _app_handle(deployment: Optional[str] = None):
+        """A handle to ``deployment`` of this replica's application (this replica's own
+        deployment when None); None outside a Serve replica."""
         try:
             from ray import serve
 
             ctx = serve.get_replica_context()
-            return serve.get_deployment_handle(ctx.deployment, ctx.app_name)
-        except Exception:
+            return serve.get_deployment_handle(deployment or ctx.deployment, ctx.app_name)
+        except Exception:  # noqa: BLE001 - not in a replica (tests): no handle
             return None
 
     # -- status ------------------------------------------------------------------------

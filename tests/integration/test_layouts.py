@@ -8,10 +8,9 @@ keeps a session's turns, and answers bad input with the same errors."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
-from tests.fixtures.serve_app import app_args, deployed_app, worker_handle
+from tests.fixtures.serve_app import app_args, deployed_app, openai_client, worker_handle
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +35,6 @@ def other_layout_app(served_app, redis_server, http_port):
         yield name, base_url, with_worker
 
 
-def _client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-
-
 def test_each_engines_default_layout_and_the_other(other_layout_app, served_app):
     from ray import serve
 
@@ -60,7 +55,7 @@ def test_greedy_output_equals_the_default_layouts(other_layout_app, served_app):
     _, base_url, _ = other_layout_app
     kwargs = dict(model=served_app.model_id, prompt=PROMPT, max_tokens=12, temperature=0)
     default = served_app.client().completions.create(**kwargs)
-    other = _client(base_url).completions.create(**kwargs)
+    other = openai_client(base_url).completions.create(**kwargs)
     assert other.choices[0].text == default.choices[0].text
     assert other.usage.completion_tokens == default.usage.completion_tokens == 12
     assert other.usage.prompt_tokens == default.usage.prompt_tokens
@@ -68,7 +63,7 @@ def test_greedy_output_equals_the_default_layouts(other_layout_app, served_app):
 
 def test_a_stream_has_its_deltas_finish_and_usage(other_layout_app, served_app):
     _, base_url, _ = other_layout_app
-    stream = _client(base_url).chat.completions.create(
+    stream = openai_client(base_url).chat.completions.create(
         model=served_app.model_id,
         messages=[{"role": "user", "content": PROMPT}],
         max_tokens=10,
@@ -88,7 +83,7 @@ def test_a_session_keeps_its_turns(other_layout_app, served_app):
     worker = worker_handle(name)
     before = worker.kv_stats.remote().result(timeout_s=60)
     sid = httpx.post(base_url + "/v1/sessions", timeout=30).json()["id"]
-    client = _client(base_url)
+    client = openai_client(base_url)
     questions = ("Hello there", "And then? " * 8)  # a prompt of whole KV blocks by the second turn
     for question in questions:
         reply = client.chat.completions.create(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.fixtures.serve_app import app_args, deployed_app, wait_for
+from tests.fixtures.serve_app import app_args, deployed_app, openai_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +38,6 @@ def _handle(deployment: str):
     from ray import serve
 
     return serve.get_deployment_handle(deployment, app_name=APP)
-
-
-def _client(base_url: str):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def _new_session(base_url: str) -> str:
@@ -77,7 +71,7 @@ def test_truncate_oldest_drops_the_oldest_messages_from_the_prompt_and_keeps_the
 
     base_url, model_path = edges_app
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    client = _client(base_url)
+    client = openai_client(base_url)
     sid = _new_session(base_url)
     max_tokens = 16
     texts = [" ".join(f"turn{t}word{i}" for i in range(12)) for t in range(10)]
@@ -138,7 +132,7 @@ def test_a_turn_whose_stored_blocks_rotted_recomputes_them_exactly_and_stores_th
     from deployments.dataplane.blocks import CorruptBlockError, decode_block
 
     base_url, model_path = edges_app
-    client = _client(base_url)
+    client = openai_client(base_url)
     worker = _handle("ComputeWorker")
     sid = _new_session(base_url)
     _turn(client, sid, " ".join(f"first{i}" for i in range(40)), 8)

@@ -469,8 +469,13 @@ class TorchEngine(Engine):
     async def wait_for_kv_exports(self) -> None:
         """Wait until every export scheduled so far has been handed to ``connector.save``
         (exports run in the background after a request's last delta)."""
-        while self._export_tasks:
-            await asyncio.gather(*list(self._export_tasks), return_exceptions=True)
+        # Waits on the unfinished ones only. A finished task stays in the set until its
+        # done callback runs, on a later turn of the event loop; and on Python >= 3.12
+        # ``gather`` of finished tasks completes without yielding to the loop, so
+        # ``while self._export_tasks: await gather(...)`` spun forever on one (a
+        # shutdown hung on the H200 machine's Python 3.12, loadtests/gpu_check.sh).
+        while pending := [t for t in self._export_tasks if not t.done()]:
+            await asyncio.wait(pending)
 
     # ------------------------------------------------------------------ asyncio side
 

@@ -83,7 +83,8 @@ async def run(args) -> dict:
     _say(f"model: preset {args.preset} at {model_dir} (built if missing)")
     model_path = ensure_model(model_dir, args.preset, quiet=False)
     common = dict(max_num_seqs=4, dtype=args.dtype, num_threads=args.num_threads, model_id=f"bench-{args.preset}",
-                  block_size=args.block_size, device=args.device, kv_arena_bytes=args.kv_arena_bytes)
+                  block_size=args.block_size, device=args.device, kv_arena_bytes=args.kv_arena_bytes,
+                  cudnn_attention=args.cudnn_attention)
     stores = {m: DictKVConnector(args.block_size) for m in ("import", "l1", "auto")}
     engines = {
         "recompute": TorchEngine(str(model_path), **common),
@@ -151,6 +152,8 @@ async def run(args) -> dict:
         "device": device,
         "device_name": name,
         "dtype": args.dtype,
+        # Whether SDPA could pick cuDNN attention (CUDA only; see --cudnn-attention).
+        "sdpa_cudnn": device.startswith("cuda") and torch.backends.cuda.cudnn_sdp_enabled(),
         "preset": args.preset,
         "ttft_ms_by_turn": per_turn,
         # Decode speed at each turn's context length (the replies are the same length).
@@ -193,6 +196,8 @@ def main(argv=None) -> int:
         "--kv-arena-bytes", type=int, default=EngineConfig().kv_arena_bytes,
         help="engine.kv_arena_bytes of each engine (default: the config's); 0: KV buffers from malloc",
     )
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="on CUDA, leave SDPA's cuDNN backend on (the engine turns it off: per-shape graph builds)")
     p.add_argument("--out", default="loadtests/results/engine_kv.json")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
     print("turn  " + "".join(f"{m:>12}" for m in MODES) + "   (median time per output token, ms)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{report['tpot_ms_by_turn'][m][t]:>12.2f}" for m in MODES))
-    print(json.dumps({k: report[k] for k in ("device_name", "dtype", "ratios", "replies_differing_from_recompute",
+    print(json.dumps({k: report[k] for k in ("device_name", "dtype", "sdpa_cudnn", "ratios", "replies_differing_from_recompute",
                                              "prefill_tokens_per_s", "prefill_tokens_per_s_by_mode",
                                              "prefill_fixed_seconds_by_mode", "import_bytes_per_s", "kv_arena")}, indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), **report})}")

@@ -224,6 +224,7 @@ class TorchEngine(Engine):
         cpu_nice: int = 0,
         kv_arena_bytes: int = 0,
         warmup_prefill_tokens: int = 0,
+        cudnn_attention: bool = False,
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -250,6 +251,7 @@ class TorchEngine(Engine):
         self.dtype = _DTYPES[dtype]
         self.num_threads = num_threads
         self.cpu_nice = cpu_nice
+        self.cudnn_attention = cudnn_attention
         # The model runs natively (llama.py: no transformers import, a replica starts in
         # half the time) where it can, else through transformers.
         why = llama.checkpoint_unsupported(self.model_path)
@@ -372,6 +374,16 @@ class TorchEngine(Engine):
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
             eos = model.generation_config.eos_token_id
+        if self.device.type == "cuda" and not self.cudnn_attention:
+            # SDPA's cuDNN backend (PyTorch's first choice for bf16/fp16 on Hopper) builds
+            # an execution graph for each new shape and caches it per thread; here every
+            # decode step has a new KV length and every prefill after an import a new mask
+            # shape, so it built one per step: medium bf16 on an H200 decoded at 41-71 ms
+            # a token and a prefill after an import took 0.66-1.16 s (loadtests/README.md,
+            # "The torch engine on an H200 again"). Flash / memory-efficient attention have no such
+            # cost. Process-wide: a worker process runs one engine.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            logger.info("torch engine: SDPA's cuDNN backend off (per-shape graph builds); flash/efficient attention")
         self.model = model.to(self.device).eval()
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:

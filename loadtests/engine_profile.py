@@ -7,7 +7,10 @@ decode steps, on whatever device the engine picks, with no Serve, Ray or Redis i
 
 Why: ``loadtests/engine_kv.py`` on an H200 saw the medium preset in bf16 import a prefix in
 0.95-1.7 s where fp32 took ~0.1 s, and its decode steps run ~10x slower than fp32's; the
-per-turn figures say how long, this says in which operators. The engine's own DEBUG line
+per-turn figures say how long, this says in which operators (there: SDPA's cuDNN backend,
+which the engine now turns off; loadtests/README.md, "The torch engine on an H200 again").
+The warm-up repeats the profiled turn's shapes, so costs paid once per new shape (such as
+cuDNN's graph builds) do not show here: compare with ``engine_kv``'s per-turn figures. The engine's own DEBUG line
 ``kv prefix fetched`` splits the import into load and decode; the profile tables (top
 operators by self CPU time, and by device time on CUDA) go to stdout, and with ``--out`` a
 Chrome trace (``trace_<dtype>.json``) goes there too.

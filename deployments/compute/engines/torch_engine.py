@@ -380,8 +380,8 @@ class TorchEngine(Engine):
             # decode step has a new KV length and every prefill after an import a new mask
             # shape, so it built one per step: medium bf16 on an H200 decoded at 41-71 ms
             # a token and a prefill after an import took 0.66-1.16 s (loadtests/README.md,
-            # "The torch engine on an H200 again"). Flash / memory-efficient attention have no such
-            # cost. Process-wide: a worker process runs one engine.
+            # "The torch engine on an H200 again"). Flash / memory-efficient attention
+            # have no such cost. Process-wide: a worker process runs one engine.
             torch.backends.cuda.enable_cudnn_sdp(False)
             logger.info("torch engine: SDPA's cuDNN backend off (per-shape graph builds); flash/efficient attention")
         self.model = model.to(self.device).eval()

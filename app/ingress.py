@@ -89,6 +89,28 @@ SEED_MAX = 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# How deep a body's JSON may nest. OpenAI's request bodies nest a few levels (a tool's
+# JSON-schema parameters some more); Python's json parser, and every walk of the parsed
+# value (``lone_surrogate_at``), recurse once per level and raised RecursionError (a 500)
+# on a small body of ~1000 brackets.
+MAX_JSON_DEPTH = 100
+
+
+def json_depth_exceeds(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` (parsed JSON) nests containers deeper than ``limit``; iterative."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return False
+
+
 def lone_surrogate_at(value, path: str = "") -> Optional[str]:
     """The dotted path of the first string (or key) in ``value`` holding a UTF-16
     surrogate that is not part of a pair ("" for ``value`` itself), or None."""
@@ -267,12 +289,18 @@ class Ingress:
             body += chunk
             if len(body) > limit:
                 raise PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes.")
+        too_deep = f"Request body nests JSON deeper than {MAX_JSON_DEPTH} levels."
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequestError(f"Request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError(too_deep) from None
         if not isinstance(data, dict):
             raise InvalidRequestError("Request body must be a JSON object.")
+        # Only a body with that many brackets can nest that deep (a C-speed count first).
+        if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and json_depth_exceeds(data):
+            raise InvalidRequestError(too_deep)
         if _SURROGATE_ESCAPE.search(body):
             where = lone_surrogate_at(data)
             if where is not None:

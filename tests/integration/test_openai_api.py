@@ -216,6 +216,20 @@ def test_malformed_json_is_400(served_app):
     assert_openai_error(r, 400)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/sessions"])
+@pytest.mark.parametrize("depth", [101, 20_000])  # 20,000: past the parser's own limit, under the 64 KiB body limit
+def test_json_nested_too_deep_is_400_and_the_server_goes_on(served_app, path, depth):
+    """A few kilobytes of brackets made Python's json parser (past ~1000 levels) or a walk
+    of the parsed body raise RecursionError: a 500. Past MAX_JSON_DEPTH it is a 400."""
+    nested = b"[" * (depth - 1) + b"]" * (depth - 1)
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "metadata": %s}' % (served_app.model_id.encode(), nested)
+    r = post(served_app, path, content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400)
+    assert "deeper than 100 levels" in err["message"]
+    ok = post(served_app, "/v1/chat/completions", chat_body(served_app))
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(
     "path, raw, param",
     [

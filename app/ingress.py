@@ -141,8 +141,16 @@ def _named_session(request: Request, req) -> Optional[str]:
     """The session a chat request names: its ``X-Session-Id`` header, else its body's
     ``session_id``; None if neither is there. An empty one is a name too (a malformed
     one, answered 400), not the absence of a session: a client that meant a session
-    must not get a reply that was silently never stored."""
+    must not get a reply that was silently never stored. Both, naming different
+    sessions, is a 400: the turn would go to one of them by a rule the client may not
+    know (a proxy's header, say, beside the application's body field)."""
     header = request.headers.get("x-session-id")
+    if header is not None and req.session_id is not None and header != req.session_id:
+        raise InvalidRequestError(
+            f"The X-Session-Id header ('{header}') and the body's session_id "
+            f"('{req.session_id}') name different sessions; send one, or the same in both.",
+            param="session_id",
+        )
     return header if header is not None else req.session_id
 
 

@@ -378,7 +378,7 @@ class TorchEngine(Engine):
             # SDPA's cuDNN backend (PyTorch's first choice for bf16/fp16 on Hopper) builds
             # an execution graph for each new shape and caches it per thread; here every
             # decode step has a new KV length and every prefill after an import a new mask
-            # shape, so it built one per step: medium bf16 on an H200 decoded at 41-71 ms
+            # shape, so it built one per step: medium bf16 on an H200 decoded at 40-71 ms
             # a token and a prefill after an import took 0.66-1.16 s (loadtests/README.md,
             # "The torch engine on an H200 again"). Flash / memory-efficient attention
             # have no such cost. Process-wide: a worker process runs one engine.

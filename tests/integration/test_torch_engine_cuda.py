@@ -19,7 +19,15 @@ from deployments.compute.engines.kv_codec import decode_kv_blocks
 from deployments.compute.engines.torch_engine import TorchEngine
 from deployments.dataplane.blocks import decode_block
 from tests.fixtures.kv import DictKVConnector
-from tests.integration.test_torch_engine_kv import BLOCK, PROMPTS, LogitsRecorder, collect, encode, make_request
+from tests.integration.test_torch_engine_kv import (
+    BLOCK,
+    PROMPTS,
+    LogitsRecorder,
+    collect,
+    encode,
+    make_request,
+    run_and_export,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,12 +54,6 @@ async def engines(tiny_model_path):
         await eng.shutdown()
 
 
-async def _run_and_export(engine, request):
-    tokens = await collect(engine, request)
-    await engine.wait_for_kv_exports()
-    return tokens
-
-
 @pytest.mark.asyncio
 async def test_cuda_and_cpu_give_the_same_greedy_tokens_and_close_logits(engines):
     gpu, cpu = await engines("cuda"), await engines("cpu")
@@ -72,7 +74,7 @@ async def test_blocks_exported_on_one_device_import_on_the_other(engines, export
     target = await engines(importer, store)
     reference = await engines(importer)
     ids = encode(source, PROMPTS[0])
-    first = await _run_and_export(source, make_request("first", ids))
+    first = await run_and_export(source, make_request("first", ids))
     hashes = block_hashes("tiny-float32", "default", ids, BLOCK)
     assert all(("default", h) in store.blocks for h in hashes)
     # The stored bytes say nothing about the device: a block from the GPU decodes on the host.
@@ -97,7 +99,7 @@ async def test_bf16_blocks_import_on_cuda_close_to_a_recompute(engines):
     engine = await engines("cuda", store, dtype="bfloat16")
     plain = await engines("cuda", dtype="bfloat16")
     ids = encode(engine, PROMPTS[0])
-    await _run_and_export(engine, make_request("first", ids))
+    await run_and_export(engine, make_request("first", ids))
     header, _ = decode_block(next(iter(store.blocks.values())))
     assert header.dtype == "bfloat16"
     await collect(engine, make_request("again", ids))
@@ -117,10 +119,10 @@ async def test_l1_feeds_a_cuda_engine_from_host_memory(engines):
     engine = await engines("cuda", store, prefix_cache_bytes=64 << 20)
     plain = await engines("cuda")
     turn1 = encode(engine, PROMPTS[1])
-    out1 = await _run_and_export(engine, make_request("t1", turn1, max_tokens=10))
+    out1 = await run_and_export(engine, make_request("t1", turn1, max_tokens=10))
     turn2 = turn1 + out1 + encode(engine, " and then what happened to the worker")[1:]
     loads = len(store.loads)
-    out2 = await _run_and_export(engine, make_request("t2", turn2, max_tokens=10))
+    out2 = await run_and_export(engine, make_request("t2", turn2, max_tokens=10))
     hit = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
     assert engine.kv_stats().l1_hit_tokens == hit and len(store.loads) == loads
     assert out2 == await collect(plain, make_request("r2", turn2, max_tokens=10))

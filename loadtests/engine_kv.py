@@ -70,18 +70,36 @@ async def turn(engine, request_id: str, prompt: list[int], reply_tokens: int) ->
     return ttft, tpot, out
 
 
+def ensure_preset_model(args, say=_say) -> Path:
+    """The checkpoint of ``--preset`` (``--model-dir``, else ``models/`` for the presets the
+    tests build, a temp dir for the larger ones), built if missing."""
+    from app.model_builder import ensure_model
+
+    model_dir = Path(args.model_dir or (Path(tempfile.gettempdir()) / f"engine-kv-{args.preset}"
+                                        if args.preset not in ("tiny", "small") else f"models/{args.preset}"))
+    say(f"model: preset {args.preset} at {model_dir} (built if missing)")
+    return ensure_model(model_dir, args.preset, quiet=False)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, preset: str, dtype: str) -> None:
+    """The engine's command-line options this benchmark and ``loadtests.engine_profile``
+    share."""
+    p.add_argument("--preset", default=preset)
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=2)
+
+
 async def run(args) -> dict:
     import torch
 
-    from app.model_builder import ensure_model
     from deployments.compute.engines import kv_arena
     from deployments.compute.engines.torch_engine import TorchEngine
     from tests.fixtures.kv import DictKVConnector
 
-    model_dir = Path(args.model_dir or (Path(tempfile.gettempdir()) / f"engine-kv-{args.preset}"
-                                        if args.preset not in ("tiny", "small") else f"models/{args.preset}"))
-    _say(f"model: preset {args.preset} at {model_dir} (built if missing)")
-    model_path = ensure_model(model_dir, args.preset, quiet=False)
+    model_path = ensure_preset_model(args)
     common = dict(max_num_seqs=4, dtype=args.dtype, num_threads=args.num_threads, model_id=f"bench-{args.preset}",
                   block_size=args.block_size, device=args.device, kv_arena_bytes=args.kv_arena_bytes,
                   cudnn_attention=args.cudnn_attention)
@@ -181,16 +199,11 @@ def main(argv=None) -> int:
     from app.config import EngineConfig
 
     p = argparse.ArgumentParser(prog="python -m loadtests.engine_kv")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
+    add_engine_arguments(p, preset="small", dtype="float32")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--turn-tokens", type=int, default=85)
     p.add_argument("--reply-tokens", type=int, default=180)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--l1-bytes", type=int, default=4 << 30)
     p.add_argument(
         "--kv-arena-bytes", type=int, default=EngineConfig().kv_arena_bytes,

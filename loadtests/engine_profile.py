@@ -29,9 +29,10 @@ import asyncio
 import logging
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from loadtests.engine_kv import add_engine_arguments
 
 
 def _say(msg: str) -> None:
@@ -42,14 +43,11 @@ async def run(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from app.model_builder import ensure_model
     from deployments.compute.engines.torch_engine import TorchEngine
-    from loadtests.engine_kv import turn
+    from loadtests.engine_kv import ensure_preset_model, turn
     from tests.fixtures.kv import DictKVConnector
 
-    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"engine-kv-{args.preset}")
-    _say(f"model: preset {args.preset} at {model_dir} (built if missing)")
-    model_path = ensure_model(model_dir, args.preset, quiet=False)
+    model_path = ensure_preset_model(args, _say)
     store = DictKVConnector(args.block_size)
     engine = TorchEngine(str(model_path), max_num_seqs=4, dtype=args.dtype, device=args.device,
                          num_threads=args.num_threads, model_id=f"profile-{args.preset}",
@@ -104,15 +102,10 @@ async def run(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.engine_profile")
-    p.add_argument("--preset", default="medium")
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
+    add_engine_arguments(p, preset="medium", dtype="bfloat16")
     p.add_argument("--context", type=int, default=1024, help="tokens of turn 1, imported by turn 2")
     p.add_argument("--new-tokens", type=int, default=85, help="turn 2's new tokens after the context")
     p.add_argument("--reply-tokens", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--out", default=None, help="folder for a Chrome trace of the profiled turn")
     p.add_argument("--log-level", default="DEBUG", help="the engine's log level (DEBUG: its import lines)")

@@ -67,6 +67,11 @@ def _autoscale_args(redis_url: str) -> dict:
             },
         },
         limits={"request_timeout_s": REQUEST_TIMEOUT_S},
+        # Sessions' turns spread exactly evenly (bounded loads with no slack: 2 and 2 of
+        # the four in flight), so the replica that leaves has turns to drain. At the
+        # default 1.25 it could hold one of the four, and with that one just ended,
+        # none (a run here drained one call, ended 0.04 s after the stop order).
+        router={"placement": {"load_factor": 1.0}},
         dataplane={"num_replicas": 1},
     )
 
@@ -92,8 +97,6 @@ class Timeline:
 
     def __init__(self):
         self.samples: list[tuple[float, dict[str, int]]] = []
-        # Wall time of the first sample with a replica STOPPING (replica logs' clock).
-        self.stopping_seen_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._t0 = time.monotonic()
@@ -101,8 +104,6 @@ class Timeline:
     def _run(self):
         while not self._stop.is_set():
             states = _replica_states()
-            if states.get("STOPPING") and self.stopping_seen_at is None:
-                self.stopping_seen_at = time.time()
             self.samples.append((time.monotonic() - self._t0, states))
             self._stop.wait(0.2)
 
@@ -164,11 +165,35 @@ def _fresh_text(num_words: int) -> str:
     return " ".join(uuid.uuid4().hex[:8] for _ in range(num_words))
 
 
-def _worker_logs() -> list[Path]:
+def _serve_logs_dir() -> Path:
     import ray
 
-    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return sorted(logs_dir.glob(f"replica_{APP_NAME}_ComputeWorker_*.log"))
+    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+
+def _worker_logs() -> list[Path]:
+    return sorted(_serve_logs_dir().glob(f"replica_{APP_NAME}_ComputeWorker_*.log"))
+
+
+def _log_time(stamp: str) -> float:
+    """A Serve log line's time ("2026-12-04 18:38:28,306"), on the machine's clock."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _stop_ordered_at(replica_id: str) -> float | None:
+    """When the controller ordered ``replica_id`` to stop (its "Stopping Replica" line):
+    the replica's graceful shutdown starts then, on the same clock as its own log."""
+    pattern = re.compile(
+        rf"^INFO (\S+ \S+) controller .* Stopping Replica\(id='{re.escape(replica_id)}', "
+        rf"deployment='ComputeWorker', app='{APP_NAME}'\)",
+        re.MULTILINE,
+    )
+    stamps = [
+        m.group(1)
+        for log in _serve_logs_dir().glob("controller_*.log")
+        for m in pattern.finditer(log.read_text(errors="replace"))
+    ]
+    return min(map(_log_time, stamps)) if stamps else None
 
 
 def test_step_load_scales_up_then_idle_drains_and_scales_down(autoscale_app):
@@ -270,18 +295,29 @@ def test_step_load_scales_up_then_idle_drains_and_scales_down(autoscale_app):
     drained = [p for p in logs if "ComputeWorker drained" in p.read_text(errors="replace")]
     assert len(drained) == 1, [p.name for p in logs]
     drained_log = drained[0].read_text(errors="replace")
-    # Serve's wait loop logs what it waits for only when a request outlives its first
-    # 0.2 s round; a request that ended on the replica after it was seen STOPPING was in
-    # flight when it began to stop, and finished there (a CI run drained one that ended
-    # within that first round, and this check, on the wait loop's line alone, failed).
-    waits = [int(n) for n in re.findall(r"to shut down: (\d+) ongoing requests", drained_log)]
-    ended_while_stopping = [
-        stamp for stamp in re.findall(r"^INFO (\S+ \S+) .* CALL generate OK", drained_log, re.MULTILINE)
-        if timeline.stopping_seen_at is not None
-        and datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() > timeline.stopping_seen_at
+    # It had requests to drain: calls that ended there after the controller ordered it to
+    # stop (Serve's wait loop logs what it waits for only when a request outlives its
+    # first 0.2 s round, so the replica's call lines are the record). The controller's
+    # line and the replica's are on one clock. This test used to take the time from its
+    # own sampling of the replica states instead, which lags by up to a sampling period
+    # plus a status round trip (slow on 2 cores running two engines): a call that ended
+    # inside that lag was not counted, the likely cause of a CI failure of this check.
+    replica_id = drained[0].stem.rsplit("_", 1)[-1]
+    stop_at = _stop_ordered_at(replica_id)
+    assert stop_at is not None, f"no 'Stopping Replica' line for {replica_id} in the controller's log"
+    calls = [
+        (_log_time(stamp), float(ms) / 1000)
+        for stamp, ms in re.findall(r"^INFO (\S+ \S+) .* CALL generate OK ([\d.]+)ms", drained_log, re.MULTILINE)
     ]
-    assert (waits and max(waits) >= 1) or ended_while_stopping, (
-        "the leaving replica had no request in flight to drain", timeline.stopping_seen_at
+    ended_after_stop = [(end, secs) for end, secs in calls if end > stop_at]
+    waits = [int(n) for n in re.findall(r"to shut down: (\d+) ongoing requests", drained_log)]
+    assert ended_after_stop, (
+        "the leaving replica had no request in flight to drain",
+        {"stop_ordered_at": stop_at, "waits": waits, "last calls (end, seconds)": calls[-4:]},
+    )
+    print(
+        f"the leaving replica {replica_id}: {len(ended_after_stop)} calls ended after its stop "
+        f"order, the last {max(end for end, _ in ended_after_stop) - stop_at:.2f}s after it"
     )
 
     # Each session's long turn exported its prompt's blocks (text no other request had):

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from app.config import RedisConfig
 from deployments.dataplane import keys
@@ -231,7 +231,8 @@ def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.connect_timeout_s,
         # One immediate retry re-dials a pooled connection that a Redis restart broke;
-        # more would only delay noticing an outage (we degrade instead).
+        # more would only delay noticing an outage (we degrade instead). The asyncio
+        # Retry: redis-py converts a sync one, with a UserWarning per client.
         retry=Retry(NoBackoff(), 1),
         retry_on_timeout=False,
     )

@@ -67,8 +67,8 @@ def _autoscale_args(redis_url: str) -> dict:
             },
         },
         limits={"request_timeout_s": REQUEST_TIMEOUT_S},
-        # Sessions' turns spread exactly evenly (bounded loads with no slack: 2 and 2 of
-        # the four in flight), so the replica that leaves has turns to drain. At the
+        # Sessions' turns are placed evenly (bounded loads with no slack: 2 and 2 while
+        # all four are in flight), so the replica that leaves has turns to drain. At the
         # default 1.25 it could hold one of the four, and with that one just ended,
         # none (a run here drained one call, ended 0.04 s after the stop order).
         router={"placement": {"load_factor": 1.0}},

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.serve_app import app_args, deployed_app, wait_for
+from tests.fixtures.serve_app import app_args, deployed_app, serve_logs_dir, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -165,14 +165,8 @@ def _fresh_text(num_words: int) -> str:
     return " ".join(uuid.uuid4().hex[:8] for _ in range(num_words))
 
 
-def _serve_logs_dir() -> Path:
-    import ray
-
-    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-
-
 def _worker_logs() -> list[Path]:
-    return sorted(_serve_logs_dir().glob(f"replica_{APP_NAME}_ComputeWorker_*.log"))
+    return sorted(serve_logs_dir().glob(f"replica_{APP_NAME}_ComputeWorker_*.log"))
 
 
 def _log_time(stamp: str) -> float:
@@ -190,7 +184,7 @@ def _stop_ordered_at(replica_id: str) -> float | None:
     )
     stamps = [
         m.group(1)
-        for log in _serve_logs_dir().glob("controller_*.log")
+        for log in serve_logs_dir().glob("controller_*.log")
         for m in pattern.finditer(log.read_text(errors="replace"))
     ]
     return min(map(_log_time, stamps)) if stamps else None

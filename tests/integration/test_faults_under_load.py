@@ -258,6 +258,18 @@ def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
     failures: list[str] = []
     stop = threading.Event()
 
+    def post(client: httpx.Client, what: str, status: int, path: str, **kwargs) -> httpx.Response | None:
+        """The answer if it has ``status``; else None, with the failure recorded."""
+        try:
+            r = client.post(path, **kwargs)
+        except httpx.HTTPError as e:
+            failures.append(f"{what}: {e!r}")
+            return None
+        if r.status_code != status:
+            failures.append(f"{what}: {r.status_code} {r.text[:200]}")
+            return None
+        return r
+
     def talk(sid: str) -> None:
         with httpx.Client(base_url=base_url, timeout=httpx.Timeout(90, connect=10)) as client:
             while not stop.is_set():
@@ -266,32 +278,24 @@ def test_dataplane_replica_killed_under_session_traffic_loses_no_turn(lf_app):
                     # The history would soon outgrow the model's context (a CI run whose
                     # replacement replica came slowly reached turn 82, 2061 tokens, and
                     # got the over-context 400): go on in a fresh session, checked alike.
-                    try:
-                        r = client.post("/v1/sessions")
-                    except httpx.HTTPError as e:
-                        failures.append(f"new session after {sid}: {e!r}")
-                        return
-                    if r.status_code != 201:
-                        failures.append(f"new session after {sid}: {r.status_code} {r.text[:200]}")
+                    if (r := post(client, f"new session after {sid}", 201, "/v1/sessions")) is None:
                         return
                     sid = r.json()["id"]
                     acknowledged[sid] = n = 0
-                try:
-                    r = client.post(
-                        "/v1/chat/completions",
-                        headers={"X-Session-Id": sid},
-                        json={
-                            "model": "tiny-llama",
-                            "messages": [{"role": "user", "content": f"turn {n}"}],
-                            "max_tokens": 4,
-                            "temperature": 0,
-                        },
-                    )
-                except httpx.HTTPError as e:
-                    failures.append(f"{sid} turn {n}: {e!r}")
-                    return
-                if r.status_code != 200:
-                    failures.append(f"{sid} turn {n}: {r.status_code} {r.text[:200]}")
+                r = post(
+                    client,
+                    f"{sid} turn {n}",
+                    200,
+                    "/v1/chat/completions",
+                    headers={"X-Session-Id": sid},
+                    json={
+                        "model": "tiny-llama",
+                        "messages": [{"role": "user", "content": f"turn {n}"}],
+                        "max_tokens": 4,
+                        "temperature": 0,
+                    },
+                )
+                if r is None:
                     return  # the session's next turn would conflict; stop this talker
                 acknowledged[sid] = n + 1
 

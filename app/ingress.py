@@ -1017,9 +1017,12 @@ class IngressDeployment(Ingress):
             # Redis being down degrades the data plane to memory only; still ready.
             try:
                 status = await asyncio.wait_for(self._dataplane.status.remote(), timeout=5.0)
-                body["dataplane"] = "degraded" if status.get("degraded") else "ok"
+                refusing = status.get("refusing_writes")
+                body["dataplane"] = "degraded" if status.get("degraded") else "refusing_writes" if refusing else "ok"
                 if status.get("degraded_servers"):
                     body["dataplane_degraded"] = status["degraded_servers"]
+                if refusing:
+                    body["dataplane_refusing_writes"] = refusing
             except Exception as e:  # noqa: BLE001
                 logger.info("data plane status unavailable: %s", type(e).__name__)
                 body["dataplane"] = "unavailable"

@@ -45,10 +45,12 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections import OrderedDict, defaultdict
 from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
+from redis.exceptions import ResponseError
 
 from opentelemetry import trace
 
@@ -61,7 +63,7 @@ from app.serve_context import DrainsOnStop, cancel_call, named_actor_alive
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
-from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
+from deployments.dataplane.redis_store import RedisRefused, RedisStore, RedisUnavailable
 from deployments.dataplane.tiers import Evicted, MemoryTier
 from deployments.dataplane.types import InRedis, SessionRecord, new_session_id
 
@@ -162,6 +164,17 @@ class _Metrics:
         self.degraded = m.Gauge(
             "llm_dataplane_degraded",
             "1 while this replica cannot reach a Redis server, by server (sessions, kv).",
+            tag_keys=("server",),
+        )
+        self.refusing_writes = m.Gauge(
+            "llm_dataplane_redis_refusing_writes",
+            "1 while a Redis server that this replica reaches refuses writes (full, a failed "
+            "persistence write, a read-only replica), by server (sessions, kv).",
+            tag_keys=("server",),
+        )
+        self.refused_writes = m.Counter(
+            "llm_dataplane_redis_refused_writes",
+            "Calls whose write a Redis server refused (nothing written), by server.",
             tag_keys=("server",),
         )
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
@@ -294,6 +307,11 @@ class DataPlane(DrainsOnStop):
         # keeps sessions durable in theirs, and the reverse.
         self._degraded: dict[str, bool] = {SESSIONS: False, KV: False}
         self._degraded_since: dict[str, Optional[float]] = {SESSIONS: None, KV: None}
+        # Per server: refusing writes (reachable, but full or read-only) since when;
+        # cleared when the reconnect loop's write probe is taken again (_check_writes).
+        self._refusing_since: dict[str, Optional[float]] = {SESSIONS: None, KV: None}
+        self._probe_key = keys.probe_key(uuid.uuid4().hex[:16])
+        self._probe_writes = True
         # Session block-list members whose blocks a session delete could not erase from
         # the KV server while it was down, by tenant.
         self._blocks_to_delete: dict[str, set[str]] = defaultdict(set)
@@ -402,8 +420,8 @@ class DataPlane(DrainsOnStop):
                         await self._resync(server)
                     elif KV in self._linked(server):
                         await self._redis(KV, self._write_dirty_blocks)
-            except (RedisUnavailable, TimeoutError) as e:
-                logger.warning("DataPlane drain: the %s Redis could not take this replica's writes (%s)", server, str(e) or type(e).__name__)
+            except (RedisUnavailable, RedisRefused, TimeoutError) as e:
+                logger.warning("DataPlane drain: the %s Redis could not take this replica's writes (%s)", server, getattr(e, "reply", "") or str(e) or type(e).__name__)
         left = self._unsynced_session_keys()
         outcome["written_back"] = len(before - left)
         if left or self._blocks_to_delete:
@@ -525,8 +543,8 @@ class DataPlane(DrainsOnStop):
                 await self._redis(SESSIONS, self._resync_sessions)
             if blocks_to_delete and not self._degraded[KV]:
                 await self._redis(KV, self._delete_due_blocks)
-        except RedisUnavailable:
-            pass  # marked degraded by _redis: the reconnect loop takes over
+        except (RedisUnavailable, RedisRefused):
+            pass  # marked degraded or refusing by _redis: the reconnect loop takes over
 
     def _take(self, key: SessionKey, record: Optional[SessionRecord], deleted: bool) -> None:
         """Merge another replica's unsynced state of one session into this one's: a delete
@@ -573,7 +591,7 @@ class DataPlane(DrainsOnStop):
     async def _write_back_now(self) -> None:
         try:
             await self._redis(SESSIONS, self._resync_sessions)
-        except RedisUnavailable:
+        except (RedisUnavailable, RedisRefused):
             pass
         except Exception:  # noqa: BLE001 - the reconnect loop writes it later
             logger.exception("DataPlane: writing back a session copy failed")
@@ -591,7 +609,7 @@ class DataPlane(DrainsOnStop):
         if not self._degraded[SESSIONS]:
             try:
                 await self._redis(SESSIONS, self._resync_sessions)
-            except RedisUnavailable:
+            except (RedisUnavailable, RedisRefused):
                 pass
             if key not in self._backups:
                 return
@@ -729,17 +747,47 @@ class DataPlane(DrainsOnStop):
         except RedisUnavailable as e:
             self._set_degraded(server, True, str(e))
             raise
+        except RedisRefused as e:
+            trace.get_current_span().set_attribute("llm.redis.refused", server)
+            for name in self._linked(server):
+                self._m.inc("refused_writes", tags={"server": name})
+            self._set_refusing(server, e.reply)
+            raise
+
+    def _set_refusing(self, server: str, reply: Optional[str]) -> None:
+        """Mark ``server`` (and the roles it shares) as refusing writes (``reply``: what
+        it said) or, with None, as taking them again; logged once per change."""
+        names = self._linked(server)
+        refusing = reply is not None
+        if all((self._refusing_since[n] is not None) == refusing for n in names):
+            return
+        since = min((self._refusing_since[n] or time.time()) for n in names)
+        for n in names:
+            self._refusing_since[n] = time.time() if refusing else None
+            self._m.set("refusing_writes", 1 if refusing else 0, tags={"server": n})
+        what = "Redis" if len(names) > 1 else f"the {server} Redis"
+        if refusing:
+            logger.warning(
+                "DataPlane: %s refuses writes (%s): session changes get a 503 and KV blocks "
+                "stay in L2 until it takes a write again (probed every %.1fs); reads go on",
+                what, reply, self._cfg.redis.reconnect_interval_s,
+            )
+        else:
+            logger.info("DataPlane: %s takes writes again after %.1fs", what, time.time() - since)
 
     async def _reconnect_loop(self) -> None:
-        # Pings while up too, so a replica with no traffic still reports an outage.
+        # Probes while up too (_check_writes), so a replica with no traffic still
+        # reports an outage, or a server that refuses writes.
         while True:
             await asyncio.sleep(self._cfg.redis.reconnect_interval_s)
             for server in self._servers():
                 if not self._degraded[server]:
                     try:
-                        await self._redis(server, self._store.ping, server)
-                    except RedisUnavailable:
+                        await self._check_writes(server)
+                    except (RedisUnavailable, RedisRefused):
                         pass
+                    except Exception:  # a bug here must not end the loop
+                        logger.exception("DataPlane: catching up after refused writes failed")
                     continue
                 try:
                     await self._store.ping(server)
@@ -748,6 +796,31 @@ class DataPlane(DrainsOnStop):
                     continue
                 except Exception:  # a bug here must not end the loop
                     logger.exception("DataPlane: resync failed")
+
+    async def _check_writes(self, server: str) -> None:
+        """The up server still answers, and takes writes: a write probe (so every
+        replica, not only one whose write was refused, reports a refusal, in /ready and
+        its metric). Once it takes writes again after a refusal, what waited for them is
+        written (``_resync``). Where an ACL forbids the probe's key, a PING instead, and
+        a refusal is then assumed over at each interval (the next refused write marks
+        it again)."""
+        if not self._probe_writes:
+            await self._redis(server, self._store.ping, server)
+        else:
+            try:
+                await self._redis(server, self._store.probe_write, server, self._probe_key)
+            except ResponseError as e:  # e.g. an ACL without SET on this key: ping instead
+                self._probe_writes = False
+                logger.warning(
+                    "DataPlane: the %s Redis refuses the write probe (%s); a refusal of writes is "
+                    "noticed at the first refused write instead", server, e,
+                )
+                return
+        if self._refusing_since[server] is not None:
+            self._set_refusing(server, None)
+            # What waited for writes: blocks to write behind or erase, session block
+            # lists to link.
+            await self._redis(server, self._resync, server)
 
     async def _resync(self, server: str) -> None:
         """Write back to ``server`` what was kept in memory while it was down, then mark
@@ -828,21 +901,22 @@ class DataPlane(DrainsOnStop):
             return
         try:
             await self._redis(KV, self._store.delete_member_blocks, tenant, members)
-        except RedisUnavailable:
+        except (RedisUnavailable, RedisRefused):
             self._blocks_to_delete[tenant].update(members)
 
     # -- KV blocks: write-behind ---------------------------------------------------------
 
     async def _kv_loop(self, period_ms: int, pending: Callable[[], object], work, what: str) -> None:
         """Every ``period_ms``: ``work`` against the KV Redis when there is ``pending``
-        work and that server is up (an outage leaves the work for later)."""
+        work and that server is up and takes writes (an outage or a refusal leaves the
+        work for later: the reconnect loop's resync does it once the server is back)."""
         while True:
             await asyncio.sleep(period_ms / 1000)
-            if self._degraded[KV] or not pending():
+            if self._degraded[KV] or self._refusing_since[KV] is not None or not pending():
                 continue
             try:
                 await self._redis(KV, work)
-            except RedisUnavailable:
+            except (RedisUnavailable, RedisRefused):
                 pass
             except Exception:
                 logger.exception("DataPlane: %s failed", what)
@@ -927,13 +1001,12 @@ class DataPlane(DrainsOnStop):
         if dirty:
             try:
                 await self._redis(KV, self._write_blocks, dirty)
-            except RedisUnavailable:
+            except (RedisUnavailable, RedisRefused) as e:
                 self._counts["dropped_blocks"] += len(dirty)
                 self._m.inc("dropped", len(dirty))
                 logger.warning(
-                    "DataPlane: dropped %d unsynced KV blocks evicted from L2 while Redis "
-                    "is unreachable",
-                    len(dirty),
+                    "DataPlane: dropped %d unsynced KV blocks evicted from L2 while Redis %s",
+                    len(dirty), "refuses writes" if isinstance(e, RedisRefused) else "is unreachable",
                 )
         self._m.set("l2_used", self._l2.used_bytes)
 
@@ -1000,7 +1073,9 @@ class DataPlane(DrainsOnStop):
             try:
                 if not await self._redis(SESSIONS, self._link_session_blocks, tenant, session_id, members):
                     return 0
-            except RedisUnavailable:
+            except (RedisUnavailable, RedisRefused):
+                # Linked when the server is back or takes writes again (_resync); a
+                # delete meanwhile finds them here.
                 self._pending_session_blocks[(tenant, session_id)].update(members)
         return stored
 
@@ -1073,10 +1148,11 @@ class DataPlane(DrainsOnStop):
         return hit
 
     async def _drop_from_l3(self, tenant: str, block_hash: str) -> None:
-        """Delete a block (index entry and payload) from Redis; an outage leaves it."""
+        """Delete a block (index entry and payload) from Redis; an outage or a refusal
+        leaves it (its next read fails the check again)."""
         try:
             await self._redis(KV, self._store.delete_blocks, tenant, [block_hash])
-        except RedisUnavailable:
+        except (RedisUnavailable, RedisRefused):
             pass
 
     def _verify(self, data, tier: str, checks: Optional[BlockChecks] = None, index: int = 0) -> bool:
@@ -1452,7 +1528,11 @@ class DataPlane(DrainsOnStop):
         await self.start()
         key = (tenant, session_id)
         try:
-            rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id)
+            try:
+                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id)
+            except RedisRefused:
+                # Full or read-only: read it without refreshing its expiry (a write).
+                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)
         except RedisUnavailable:
             known = key in self._sessions or key in self._deleted_sessions
             rec = self._memory_session(tenant, session_id)
@@ -1701,6 +1781,9 @@ class DataPlane(DrainsOnStop):
             # until it is back), "kv" (blocks are), both when they share a server.
             "degraded_servers": down,
             "degraded_since": min((self._degraded_since[n] for n in down), default=None),
+            # Reachable but refusing writes (full, read-only): session changes get a 503,
+            # reads go on, KV blocks wait in L2.
+            "refusing_writes": sorted(n for n, t in self._refusing_since.items() if t is not None),
             "unsynced_sessions": len(self._dirty_sessions) + len(self._deleted_sessions),
             # Of those, copies of another replica's outage changes (back_up).
             "backup_sessions": len(self._backups),

@@ -12,6 +12,10 @@ them cannot forge another key. No braces: each key hashes to its own Redis Clust
     llm:<tenant>:kvroots            zset   root (first block hash) of every stored chain,
                                            scored by the wall time of its last store or hit
                                            (root_index.py)
+    llm:!probe:<replica>            string a data-plane replica's write probe (no tenant
+                                           data; lives a second): is a server that
+                                           refused writes taking them again? (A quoted
+                                           tenant never holds "!", so no tenant's key.)
 """
 
 from __future__ import annotations
@@ -62,3 +66,7 @@ def split_session_block_member(member: str) -> tuple[str, str]:
 
 def kv_roots_key(tenant: str) -> str:
     return f"{PREFIX}:{_q(tenant)}:kvroots"
+
+
+def probe_key(replica: str) -> str:
+    return f"{PREFIX}:!probe:{_q(replica)}"

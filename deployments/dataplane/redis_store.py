@@ -27,10 +27,12 @@ from typing import Optional, Sequence
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry
 
 from app.config import RedisConfig
+from app.errors import ServiceUnavailableError
 from deployments.dataplane import keys
 from deployments.dataplane.resp import RawBlockClient
 from deployments.dataplane.types import SessionRecord
@@ -44,11 +46,49 @@ class RedisUnavailable(Exception):
     """Redis could not be reached, or did not answer in time."""
 
 
+class RedisRefused(ServiceUnavailableError):
+    """A running Redis refused a write and took nothing: over its ``maxmemory`` with
+    ``noeviction`` (OOM), after a failed AOF or RDB write (MISCONF), as a read-only
+    replica (READONLY), or short of in-sync replicas (NOREPLICAS). Reads still work. A
+    503 to clients, without Redis's words (``reply``, kept for this process's log)."""
+
+    reply: str = ""
+
+    @classmethod
+    def of(cls, error: ResponseError) -> "RedisRefused":
+        refused = cls(
+            "The session store is not accepting writes right now (it is full or "
+            "read-only); nothing was saved. Retry later.",
+            code="store_refusing_writes",
+            headers={"Retry-After": str(REFUSED_RETRY_AFTER_S)},
+        )
+        refused.reply = str(error)[:300]
+        return refused
+
+
+# What a client is told to wait after a refusal: an operator frees memory, or a failover
+# ends, in minutes rather than milliseconds.
+REFUSED_RETRY_AFTER_S = 5
+
+# The error codes of a refused write (redis-py strips the code from the message and keeps
+# it as ``status_code``; the raw client, resp.py, leaves it at the message's start).
+REFUSAL_CODES = frozenset({"OOM", "MISCONF", "READONLY", "NOREPLICAS"})
+
+
+def refusal_code(error: BaseException) -> Optional[str]:
+    """The code of an error reply by which Redis refused a write, else None."""
+    if not isinstance(error, ResponseError):
+        return None
+    code = getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
+    return code if code in REFUSAL_CODES else None
+
+
 _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _unavailable(fn):
-    """Map connection failures to RedisUnavailable, after one retry on fresh connections.
+    """Map connection failures to RedisUnavailable, after one retry on fresh connections,
+    and a refused write to RedisRefused (not retried: the server is there and said no).
 
     After a Redis restart every pooled connection is dead, and redis-py's own retry only
     re-dials the one it is using, so a call can still fail on the next stale one. On a
@@ -71,6 +111,10 @@ def _unavailable(fn):
         except _CONNECTION_ERRORS as e:
             # BusyLoadingError (Redis replaying its AOF) is a ConnectionError too.
             raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
+        except ResponseError as e:
+            if refusal_code(e) is None:
+                raise
+            raise RedisRefused.of(e) from e
 
     return wrapper
 
@@ -383,6 +427,12 @@ class RedisStore:
                 raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
         return True
 
+    @_unavailable
+    async def probe_write(self, server: str, key: str) -> None:
+        """A small write that ``server`` (``"sessions"`` or ``"kv"``) takes unless it
+        refuses writes (then RedisRefused): ``key`` set for a second."""
+        await {"sessions": self._r, "kv": self._kv}[server].set(key, b"1", px=1000)
+
     # -- KV blocks -----------------------------------------------------------------
 
     @_unavailable
@@ -522,12 +572,17 @@ class RedisStore:
         return bool(created)
 
     @_unavailable
-    async def get_session(self, tenant: str, session_id: str) -> Optional[SessionRecord]:
-        """The session, its expiry refreshed; None if absent or expired."""
-        flat = await self._get_touch(keys=[keys.session_key(tenant, session_id)], args=[self._clock()])
-        if not flat:
+    async def get_session(self, tenant: str, session_id: str, *, touch: bool = True) -> Optional[SessionRecord]:
+        """The session, its expiry refreshed (``touch``: a write, which a server that
+        refuses writes refuses); None if absent or expired."""
+        key = keys.session_key(tenant, session_id)
+        if touch:
+            flat = await self._get_touch(keys=[key], args=[self._clock()])
+            fields = dict(zip(flat[::2], flat[1::2]))
+        else:
+            fields = await self._r.hgetall(key)
+        if not fields or b"deleted" in fields or "deleted" in fields:  # a tombstone
             return None
-        fields = dict(zip(flat[::2], flat[1::2]))
         rec = _record_from(session_id, fields)
         return rec if rec.tenant == tenant else None
 

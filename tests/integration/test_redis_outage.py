@@ -103,3 +103,63 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
     for sid, n in acknowledged.items():
         record = httpx.get(f"{base}/v1/sessions/{sid}", timeout=30).json()
         assert [m["content"] for m in record["messages"][0::2]] == [f"turn {i}" for i in range(n)]
+
+
+def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served_app, redis_client):
+    """The Redis answers but is full (``maxmemory`` with ``noeviction``: what a durable
+    sessions server runs with): a session create or turn is a 503 naming the cause, with
+    nothing saved, a stream ends with an error event, a session still reads, a delete
+    still frees, stateless requests go on, /ready says so; once memory is freed the
+    session goes on in order."""
+    base = served_app.base_url
+    chat = {"model": served_app.model_id, "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        sid, spare = (client.post("/v1/sessions").json()["id"] for _ in range(2))
+
+        def turn(content: str, **extra) -> httpx.Response:
+            body = {**chat, "messages": [{"role": "user", "content": content}], **extra}
+            return client.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json=body)
+
+        assert turn("first").status_code == 200
+        key = keys.session_key("default", sid)
+        before = redis_client.hgetall(key)
+        redis_client.config_set("maxmemory", 1)
+        try:
+            # One server holds both roles here; some replica's write probe notices.
+            wait_for_dataplane(base, "refusing_writes")
+            expected = (200, {
+                "status": "ready", "model": served_app.model_id,
+                "dataplane": "refusing_writes", "dataplane_refusing_writes": ["kv", "sessions"],
+            })
+            deadline = time.monotonic() + 10  # each replica's probe notices within a second
+            while (seen := ready_body(base)) != expected:
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.2)
+            refused = [turn("second"), client.post("/v1/sessions")]
+            for r in refused:
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"] == "5"
+                assert r.json()["error"]["code"] == "store_refusing_writes"
+                assert "not accepting writes" in r.json()["error"]["message"]
+            with client.stream(
+                "POST", "/v1/chat/completions", headers={"X-Session-Id": sid},
+                json={**chat, "messages": [{"role": "user", "content": "streamed"}], "stream": True},
+            ) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200
+            assert events[-1] == "[DONE]" and "store_refusing_writes" in events[-2], events[-3:]
+            assert redis_client.hgetall(key) == before
+            got = client.get(f"/v1/sessions/{sid}")
+            assert got.status_code == 200 and got.json()["version"] == 1
+            stateless = client.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": "x"}]})
+            assert stateless.status_code == 200, stateless.text
+            # A full server takes a delete (its first write is a DEL, which frees memory).
+            assert client.delete(f"/v1/sessions/{spare}").status_code == 200
+            assert client.get(f"/v1/sessions/{spare}").status_code == 404
+        finally:
+            redis_client.config_set("maxmemory", 0)
+        wait_for_dataplane(base, "ok")
+        assert turn("third").status_code == 200
+        record = client.get(f"/v1/sessions/{sid}").json()
+        assert record["version"] == 2
+        assert [m["content"] for m in record["messages"][0::2]] == ["first", "third"]

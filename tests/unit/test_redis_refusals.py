@@ -1,0 +1,60 @@
+"""Which Redis error replies are a refused write (redis_store.refusal_code), as redis-py
+and the data plane's raw RESP client (resp.py) parse them, and what a client is told."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from redis._parsers.base import BaseParser
+from redis.exceptions import ResponseError
+
+from app.errors import ServiceUnavailableError, to_api_error
+from deployments.dataplane.redis_store import RedisRefused, refusal_code
+from deployments.dataplane.resp import _error
+
+REFUSED = {
+    "OOM": "OOM command not allowed when used memory > 'maxmemory'.",
+    "MISCONF": "MISCONF Errors writing to the AOF file: No space left on device",
+    "READONLY": "READONLY You can't write against a read only replica.",
+    "NOREPLICAS": "NOREPLICAS Not enough good replicas to write.",
+}
+OTHERS = [
+    "WRONGTYPE Operation against a key holding the wrong kind of value",
+    "NOSCRIPT No matching script. Please use EVAL.",
+    "NOPERM User default has no permissions to run the 'set' command",
+    "ERR unknown command 'FOO'",
+    "BUSY Redis is busy running a script.",
+    "oom in lower case is not a code",
+]
+
+
+@pytest.mark.parametrize("code", sorted(REFUSED))
+def test_a_refused_write_is_recognised_from_either_client(code):
+    line = REFUSED[code]
+    parsed = BaseParser.parse_error(line)  # redis-py: the code leaves the message
+    assert refusal_code(parsed) == code
+    assert refusal_code(_error(b"-" + line.encode())) == code  # resp.py: the whole line
+
+
+@pytest.mark.parametrize("line", OTHERS)
+def test_other_error_replies_are_not_refusals(line):
+    assert refusal_code(BaseParser.parse_error(line)) is None
+    assert refusal_code(_error(b"-" + line.encode())) is None
+
+
+def test_only_error_replies_are_refusals():
+    assert refusal_code(ConnectionError("OOM")) is None
+    assert refusal_code(ValueError("READONLY")) is None
+
+
+def test_a_refusal_is_a_503_that_crosses_serve_without_redis_words():
+    refused = RedisRefused.of(ResponseError(REFUSED["OOM"]))
+    assert refused.reply.startswith("OOM command not allowed")
+    assert isinstance(refused, ServiceUnavailableError) and refused.status_code == 503
+    assert refused.code == "store_refusing_writes" and refused.headers == {"Retry-After": "5"}
+    assert "maxmemory" not in refused.message  # the server's words stay in its log
+    # As Ray carries it from the data plane to the ingress (APIError.__reduce__).
+    crossed = pickle.loads(pickle.dumps(refused))
+    assert type(crossed) is RedisRefused and crossed.body() == refused.body()
+    assert to_api_error(crossed) is crossed

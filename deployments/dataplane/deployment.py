@@ -767,10 +767,12 @@ class DataPlane(DrainsOnStop):
             self._m.set("refusing_writes", 1 if refusing else 0, tags={"server": n})
         what = "Redis" if len(names) > 1 else f"the {server} Redis"
         if refusing:
+            waits = " and ".join(
+                ({SESSIONS: "session changes get a 503", KV: "KV blocks stay in L2"})[n] for n in sorted(names, reverse=True)
+            )
             logger.warning(
-                "DataPlane: %s refuses writes (%s): session changes get a 503 and KV blocks "
-                "stay in L2 until it takes a write again (probed every %.1fs); reads go on",
-                what, reply, self._cfg.redis.reconnect_interval_s,
+                "DataPlane: %s refuses writes (%s): %s until it takes a write again (probed "
+                "every %.1fs); reads go on", what, reply, waits, self._cfg.redis.reconnect_interval_s,
             )
         else:
             logger.info("DataPlane: %s takes writes again after %.1fs", what, time.time() - since)

@@ -62,7 +62,8 @@ class RedisRefused(ServiceUnavailableError):
             code="store_refusing_writes",
             headers={"Retry-After": str(REFUSED_RETRY_AFTER_S)},
         )
-        refused.reply = str(error)[:300]
+        said, code = str(error), refusal_code(error) or ""
+        refused.reply = (said if said.startswith(code) else f"{code} {said}")[:300]
         return refused
 
 

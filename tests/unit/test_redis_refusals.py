@@ -51,6 +51,9 @@ def test_only_error_replies_are_refusals():
 def test_a_refusal_is_a_503_that_crosses_serve_without_redis_words():
     refused = RedisRefused.of(ResponseError(REFUSED["OOM"]))
     assert refused.reply.startswith("OOM command not allowed")
+    # redis-py takes the code off the message; the log line puts it back.
+    parsed = RedisRefused.of(BaseParser.parse_error(REFUSED["READONLY"]))
+    assert parsed.reply == REFUSED["READONLY"]
     assert isinstance(refused, ServiceUnavailableError) and refused.status_code == 503
     assert refused.code == "store_refusing_writes" and refused.headers == {"Retry-After": "5"}
     assert "maxmemory" not in refused.message  # the server's words stay in its log

@@ -75,13 +75,32 @@ REFUSED_RETRY_AFTER_S = 5
 # it as ``status_code``; the raw client, resp.py, leaves it at the message's start).
 REFUSAL_CODES = frozenset({"OOM", "MISCONF", "READONLY", "NOREPLICAS"})
 
+# The error codes of a server that is there but serves nobody now: a script past its time
+# limit (BUSY, until SCRIPT KILL), a replica cut off from its primary (MASTERDOWN), a
+# cluster without quorum (CLUSTERDOWN, TRYAGAIN). Handled as unreachable: degraded until
+# it answers. (LOADING, replaying the AOF, is redis-py's BusyLoadingError already.)
+UNAVAILABLE_CODES = frozenset({"BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"})
+
+
+def _error_code(error: BaseException) -> Optional[str]:
+    if not isinstance(error, ResponseError):
+        return None
+    return getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
+
 
 def refusal_code(error: BaseException) -> Optional[str]:
     """The code of an error reply by which Redis refused a write, else None."""
-    if not isinstance(error, ResponseError):
-        return None
-    code = getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
+    code = _error_code(error)
     return code if code in REFUSAL_CODES else None
+
+
+def unavailable_reply(error: BaseException) -> Optional[RedisUnavailable]:
+    """The RedisUnavailable that an error reply of ``UNAVAILABLE_CODES`` stands for, else None."""
+    code = _error_code(error)
+    if code not in UNAVAILABLE_CODES:
+        return None
+    said = str(error)
+    return RedisUnavailable(said if said.startswith(code) else f"{code} {said}")
 
 
 _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -113,6 +132,8 @@ def _unavailable(fn):
             # BusyLoadingError (Redis replaying its AOF) is a ConnectionError too.
             raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
         except ResponseError as e:
+            if (down := unavailable_reply(e)) is not None:
+                raise down from e
             if refusal_code(e) is None:
                 raise
             raise RedisRefused.of(e) from e
@@ -426,6 +447,10 @@ class RedisStore:
                     await c.ping()
             except _CONNECTION_ERRORS as e:
                 raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
+            except ResponseError as e:
+                if (down := unavailable_reply(e)) is not None:
+                    raise down from e
+                raise
         return True
 
     @_unavailable

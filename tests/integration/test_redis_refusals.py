@@ -21,7 +21,7 @@ from app.local_redis import LocalRedis, _free_port
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, encode_block
 from deployments.dataplane.deployment import DataPlane
-from deployments.dataplane.redis_store import RedisRefused, RedisStore
+from deployments.dataplane.redis_store import RedisRefused, RedisStore, RedisUnavailable
 from deployments.dataplane.types import SessionRecord
 from tests.fixtures.polling import eventually
 
@@ -154,3 +154,40 @@ async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
         finally:
             await dp.drain()
             client.close()
+
+
+async def test_a_server_busy_with_a_script_is_unavailable_until_it_is_killed():
+    """A script past the server's time limit makes it answer BUSY to everything but
+    SCRIPT KILL: the store reports it unreachable (the data plane degrades, as for an
+    outage) instead of raising the reply, and works again once the script is killed."""
+    import threading
+
+    with LocalRedis() as server:
+        store = RedisStore.from_config(RedisConfig(url=server.url, password_env=None), kv_ttl_s=60)
+        client = redis.Redis.from_url(server.url)
+        spinner = redis.Redis.from_url(server.url)
+        try:
+            now = time.time()
+            assert await store.create_session(SessionRecord(SID, TENANT, created=now, expires_at=now + 300, ttl_s=300))
+            client.config_set("busy-reply-threshold", 50)  # ms before BUSY replies (default 5 s)
+            spin = threading.Thread(target=lambda: _quietly(spinner.eval, "while true do end", 0), daemon=True)
+            spin.start()
+            time.sleep(0.3)
+            for call in (store.ping("sessions"), store.append(TENANT, SID, 0, TURN, 7), store.get_blocks_packed(TENANT, ["h0"])):
+                with pytest.raises(RedisUnavailable, match="^BUSY"):
+                    await call
+            client.script_kill()
+            spin.join(10)
+            assert await store.ping("sessions")
+            assert (await store.append(TENANT, SID, 0, TURN, 7)).version == 1
+        finally:
+            spinner.close()
+            client.close()
+            await store.close()
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except redis.ResponseError:  # the killed script's own reply
+        pass

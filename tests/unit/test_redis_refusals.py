@@ -1,5 +1,6 @@
-"""Which Redis error replies are a refused write (redis_store.refusal_code), as redis-py
-and the data plane's raw RESP client (resp.py) parse them, and what a client is told."""
+"""Which Redis error replies are a refused write (redis_store.refusal_code) or a server
+that serves nobody now (unavailable_reply), as redis-py and the data plane's raw RESP
+client (resp.py) parse them, and what a client is told of a refusal."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from redis._parsers.base import BaseParser
 from redis.exceptions import ResponseError
 
 from app.errors import ServiceUnavailableError, to_api_error
-from deployments.dataplane.redis_store import RedisRefused, refusal_code
+from deployments.dataplane.redis_store import RedisRefused, RedisUnavailable, refusal_code, unavailable_reply
 from deployments.dataplane.resp import _error
 
 REFUSED = {
@@ -19,12 +20,17 @@ REFUSED = {
     "READONLY": "READONLY You can't write against a read only replica.",
     "NOREPLICAS": "NOREPLICAS Not enough good replicas to write.",
 }
+UNAVAILABLE = {
+    "BUSY": "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+    "MASTERDOWN": "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "CLUSTERDOWN": "CLUSTERDOWN The cluster is down",
+    "TRYAGAIN": "TRYAGAIN Multiple keys request during rehashing of slot",
+}
 OTHERS = [
     "WRONGTYPE Operation against a key holding the wrong kind of value",
     "NOSCRIPT No matching script. Please use EVAL.",
     "NOPERM User default has no permissions to run the 'set' command",
     "ERR unknown command 'FOO'",
-    "BUSY Redis is busy running a script.",
     "oom in lower case is not a code",
 ]
 
@@ -37,10 +43,19 @@ def test_a_refused_write_is_recognised_from_either_client(code):
     assert refusal_code(_error(b"-" + line.encode())) == code  # resp.py: the whole line
 
 
+@pytest.mark.parametrize("code", sorted(UNAVAILABLE))
+def test_a_server_that_serves_nobody_now_is_unavailable_not_refusing(code):
+    line = UNAVAILABLE[code]
+    for error in (BaseParser.parse_error(line), _error(b"-" + line.encode())):
+        down = unavailable_reply(error)
+        assert isinstance(down, RedisUnavailable) and str(down) == line
+        assert refusal_code(error) is None
+
+
 @pytest.mark.parametrize("line", OTHERS)
-def test_other_error_replies_are_not_refusals(line):
-    assert refusal_code(BaseParser.parse_error(line)) is None
-    assert refusal_code(_error(b"-" + line.encode())) is None
+def test_other_error_replies_are_neither(line):
+    for error in (BaseParser.parse_error(line), _error(b"-" + line.encode())):
+        assert refusal_code(error) is None and unavailable_reply(error) is None
 
 
 def test_only_error_replies_are_refusals():

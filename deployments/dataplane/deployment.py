@@ -1530,10 +1530,12 @@ class DataPlane(DrainsOnStop):
         await self.start()
         key = (tenant, session_id)
         try:
+            # Full or read-only (known, or found by this read's refresh of the expiry, a
+            # write): read it without the refresh.
+            touch = self._refusing_since[SESSIONS] is None
             try:
-                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id)
+                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=touch)
             except RedisRefused:
-                # Full or read-only: read it without refreshing its expiry (a write).
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)
         except RedisUnavailable:
             known = key in self._sessions or key in self._deleted_sessions

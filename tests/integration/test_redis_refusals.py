@@ -156,6 +156,32 @@ async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
             client.close()
 
 
+async def test_a_read_finds_the_refusal_itself_and_still_answers():
+    """Before any probe (a long reconnect interval): a session read's expiry refresh is
+    refused, the read answers anyway, and the replica now reports the refusal."""
+    with LocalRedis() as server:
+        config = AppConfig.model_validate({
+            "dataplane": {
+                "num_replicas": 1,
+                "redis": {"url": server.url, "password_env": None, "reconnect_interval_s": 300},
+            }
+        })
+        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        client = redis.Redis.from_url(server.url)
+        await dp.start()
+        try:
+            await dp.create_session(TENANT, session_id=SID)
+            assert (await dp.append_turn(TENANT, SID, 0, TURN, 7)).version == 1
+            with refusing(client, "oom"):
+                assert (await dp.status())["refusing_writes"] == []
+                got = await dp.get_session(TENANT, SID)
+                assert (got.version, got.messages) == (1, TURN)
+                assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
+        finally:
+            await dp.drain()
+            client.close()
+
+
 async def test_a_server_busy_with_a_script_is_unavailable_until_it_is_killed():
     """A script past the server's time limit makes it answer BUSY to everything but
     SCRIPT KILL: the store reports it unreachable (the data plane degrades, as for an

@@ -62,8 +62,7 @@ class RedisRefused(ServiceUnavailableError):
             code="store_refusing_writes",
             headers={"Retry-After": str(REFUSED_RETRY_AFTER_S)},
         )
-        said, code = str(error), refusal_code(error) or ""
-        refused.reply = (said if said.startswith(code) else f"{code} {said}")[:300]
+        refused.reply = _as_said(error)[:300]
         return refused
 
 
@@ -88,6 +87,12 @@ def _error_code(error: BaseException) -> Optional[str]:
     return getattr(error, "status_code", None) or str(error).split(" ", 1)[0]
 
 
+def _as_said(error: ResponseError) -> str:
+    """The error reply as the server sent it: its code, then the message."""
+    said, code = str(error), _error_code(error) or ""
+    return said if said.startswith(code) else f"{code} {said}"
+
+
 def refusal_code(error: BaseException) -> Optional[str]:
     """The code of an error reply by which Redis refused a write, else None."""
     code = _error_code(error)
@@ -96,11 +101,7 @@ def refusal_code(error: BaseException) -> Optional[str]:
 
 def unavailable_reply(error: BaseException) -> Optional[RedisUnavailable]:
     """The RedisUnavailable that an error reply of ``UNAVAILABLE_CODES`` stands for, else None."""
-    code = _error_code(error)
-    if code not in UNAVAILABLE_CODES:
-        return None
-    said = str(error)
-    return RedisUnavailable(said if said.startswith(code) else f"{code} {said}")
+    return RedisUnavailable(_as_said(error)) if _error_code(error) in UNAVAILABLE_CODES else None
 
 
 _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)

@@ -63,7 +63,7 @@ from app.serve_context import DrainsOnStop, cancel_call, named_actor_alive
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, TIER_NONE, PrefixHit
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, check_block, pack_blocks, unpack_blocks
-from deployments.dataplane.redis_store import RedisRefused, RedisStore, RedisUnavailable
+from deployments.dataplane.redis_store import RedisRefused, RedisStore, RedisUnavailable, UnreadableSessionRecord
 from deployments.dataplane.tiers import Evicted, MemoryTier
 from deployments.dataplane.types import InRedis, SessionRecord, new_session_id
 
@@ -1537,6 +1537,9 @@ class DataPlane(DrainsOnStop):
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=touch)
             except RedisRefused:
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)
+        except UnreadableSessionRecord as e:
+            logger.error("DataPlane: tenant %s: %s", tenant, e.message)
+            raise
         except RedisUnavailable:
             known = key in self._sessions or key in self._deleted_sessions
             rec = self._memory_session(tenant, session_id)

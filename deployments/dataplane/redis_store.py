@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry
 
 from app.config import RedisConfig
-from app.errors import ServiceUnavailableError
+from app.errors import APIError, ServiceUnavailableError
 from deployments.dataplane import keys
 from deployments.dataplane.resp import RawBlockClient
 from deployments.dataplane.types import SessionRecord
@@ -64,6 +64,21 @@ class RedisRefused(ServiceUnavailableError):
         )
         refused.reply = _as_said(error)[:300]
         return refused
+
+
+class UnreadableSessionRecord(APIError):
+    """A session key in Redis whose content is not a record this server wrote (edited by
+    hand, written by another program, damaged): a 500 that says so, never a guess at its
+    messages. It is left as it is for an operator; a DELETE of the session erases it."""
+
+    @classmethod
+    def of(cls, session_id: str, why: str) -> "UnreadableSessionRecord":
+        return cls(
+            f"Session {session_id[:80]!r} has a stored record that cannot be read ({why}); "
+            "it was left as it is. Delete the session to start over.",
+            param="session_id",
+            code="session_record_unreadable",
+        )
 
 
 # What a client is told to wait after a refusal: an operator frees memory, or a failover
@@ -221,10 +236,12 @@ _DELETE = """
 -- record would have: a replica that kept a copy through a Redis outage (DataPlane.back_up)
 -- writes it back later with _PUT_IF_NEWER, which the tombstone refuses. 1 if a session
 -- was there.
-if redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
+-- A key of another type (not a record this server wrote) is deleted as a record.
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'hash' and redis.call('HEXISTS', KEYS[1], 'deleted') == 1 then return 0 end
 local keep = tonumber(ARGV[1])
-local live = redis.call('EXISTS', KEYS[1]) == 1
-if live then keep = tonumber(redis.call('HGET', KEYS[1], 'ttl_s')) or keep end
+local live = kind ~= 'none'
+if kind == 'hash' then keep = tonumber(redis.call('HGET', KEYS[1], 'ttl_s')) or keep end
 redis.call('DEL', KEYS[1])
 if keep > 0 then
   redis.call('HSET', KEYS[1], 'deleted', '1')
@@ -267,23 +284,37 @@ def _record_fields(rec: SessionRecord) -> dict[str, str]:
 
 
 def _record_from(session_id: str, fields: dict) -> SessionRecord:
-    def s(name: str, default: Optional[str] = None) -> str:
-        v = fields.get(name.encode(), fields.get(name, default))
+    """The record in a session hash's ``fields``; UnreadableSessionRecord naming the
+    first field that is missing or not what this server writes there."""
+    name = ""
+
+    def s(field: str, default: Optional[str] = None) -> str:
+        nonlocal name
+        name = field
+        v = fields.get(field.encode(), fields.get(field, default))
         if v is None:
-            raise KeyError(name)
+            raise KeyError(field)
         return v.decode() if isinstance(v, bytes) else v
 
-    return SessionRecord(
-        id=session_id,
-        tenant=s("tenant"),
-        messages=json.loads(s("messages")),
-        num_tokens=int(s("num_tokens")),
-        version=int(s("version")),
-        created=float(s("created")),
-        expires_at=float(s("expires")),
-        ttl_s=int(s("ttl_s")),
-        last_turn_id=s("last_turn", ""),  # absent in records written before turn ids
-    )
+    try:
+        messages = json.loads(s("messages"))
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("not a list of messages")
+        return SessionRecord(
+            id=session_id,
+            tenant=s("tenant"),
+            messages=messages,
+            num_tokens=int(s("num_tokens")),
+            version=int(s("version")),
+            created=float(s("created")),
+            expires_at=float(s("expires")),
+            ttl_s=int(s("ttl_s")),
+            last_turn_id=s("last_turn", ""),  # absent in records written before turn ids
+        )
+    except KeyError:
+        raise UnreadableSessionRecord.of(session_id, f"no field {name!r}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise UnreadableSessionRecord.of(session_id, f"field {name!r} is not what this server writes") from None
 
 
 def _client(cfg: RedisConfig, environ) -> aioredis.Redis:
@@ -603,11 +634,16 @@ class RedisStore:
         """The session, its expiry refreshed (``touch``: a write, which a server that
         refuses writes refuses); None if absent or expired."""
         key = keys.session_key(tenant, session_id)
-        if touch:
-            flat = await self._get_touch(keys=[key], args=[self._clock()])
-            fields = dict(zip(flat[::2], flat[1::2]))
-        else:
-            fields = await self._r.hgetall(key)
+        try:
+            if touch:
+                flat = await self._get_touch(keys=[key], args=[self._clock()])
+                fields = dict(zip(flat[::2], flat[1::2]))
+            else:
+                fields = await self._r.hgetall(key)
+        except ResponseError as e:
+            if _error_code(e) != "WRONGTYPE":
+                raise
+            raise UnreadableSessionRecord.of(session_id, "the key holds another type than a hash") from None
         if not fields or b"deleted" in fields or "deleted" in fields:  # a tombstone
             return None
         rec = _record_from(session_id, fields)

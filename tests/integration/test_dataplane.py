@@ -821,3 +821,41 @@ async def test_store_password_from_env_and_exact_message_roundtrip():
         assert rec.messages == turns and rec.num_tokens == 7 and rec.version == 3
         assert await store.get_session("u", "s") is None
         await store.close()
+
+
+async def test_a_session_record_the_store_cannot_read_is_named_and_deletable():
+    """RedisStore alone: a session hash with a field that is missing or not what this
+    server writes, or a key of another type, is UnreadableSessionRecord (a 500 naming
+    the field) with or without the expiry refresh; delete_session erases it."""
+    import redis
+
+    from app.config import RedisConfig
+    from app.local_redis import LocalRedis
+    from deployments.dataplane.redis_store import RedisStore, UnreadableSessionRecord
+    from deployments.dataplane.types import SessionRecord
+
+    with LocalRedis() as server:
+        store = RedisStore.from_config(RedisConfig(url=server.url, password_env=None), kv_ttl_s=60)
+        client = redis.Redis.from_url(server.url)
+        try:
+            damages = {
+                "field 'messages'": lambda key: client.hset(key, "messages", "[1, 2]"),
+                "field 'num_tokens'": lambda key: client.hset(key, "num_tokens", "many"),
+                "no field 'tenant'": lambda key: client.hdel(key, "tenant"),
+                "another type": lambda key: (client.delete(key), client.rpush(key, "x")),
+            }
+            for i, (why, damage) in enumerate(damages.items()):
+                now, sid = time.time(), f"s{i}"
+                assert await store.create_session(SessionRecord(sid, "t", created=now, expires_at=now + 300, ttl_s=300))
+                key = keys.session_key("t", sid)
+                damage(key)
+                for touch in (True, False):
+                    with pytest.raises(UnreadableSessionRecord, match=why) as unreadable:
+                        await store.get_session("t", sid, touch=touch)
+                    assert unreadable.value.status_code == 500
+                    assert unreadable.value.code == "session_record_unreadable"
+                assert await store.delete_session("t", sid) is True
+                assert client.type(key) in (b"none", b"hash") and await store.get_session("t", sid) is None
+        finally:
+            client.close()
+            await store.close()

@@ -553,3 +553,32 @@ def test_a_session_deleted_elsewhere_is_404_though_the_ingress_held_it(served_ap
     with pytest.raises(openai.NotFoundError):
         turn(client, served_app.model_id, sid, "still there?", max_tokens=4)
     assert get_session(served_app, sid).status_code == 404
+
+
+def test_a_session_record_this_server_cannot_read_is_a_clear_500_and_deletes(served_app, redis_client):
+    """A session key whose content is not a record this server wrote (edited by hand,
+    another program's): a 500 naming the session and the field, not a traceback's
+    generic one, and nothing guessed; a DELETE still erases it."""
+    from deployments.dataplane import keys
+
+    def unreadable(r: httpx.Response, why: str) -> None:
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "session_record_unreadable" and error["param"] == "session_id"
+        assert why in error["message"] and "Delete the session" in error["message"]
+
+    for damage, why in (
+        (lambda key: redis_client.hset(key, "messages", "not json"), "field 'messages'"),
+        (lambda key: redis_client.hdel(key, "version"), "no field 'version'"),
+        (lambda key: (redis_client.delete(key), redis_client.set(key, "x")), "another type"),
+    ):
+        sid = new_session(served_app)["id"]
+        damage(keys.session_key("default", sid))
+        unreadable(get_session(served_app, sid), why)
+        r = httpx.post(
+            served_app.base_url + "/v1/chat/completions", headers={"X-Session-Id": sid}, timeout=60,
+            json={"model": served_app.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        unreadable(r, why)
+        assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
+        assert get_session(served_app, sid).status_code == 404

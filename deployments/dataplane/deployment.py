@@ -174,7 +174,8 @@ class _Metrics:
         )
         self.refused_writes = m.Counter(
             "llm_dataplane_redis_refused_writes",
-            "Calls whose write a Redis server refused (nothing written), by server.",
+            "Calls whose write a Redis server refused (nothing written; the reconnect "
+            "loop's write probe, one a reconnect interval, included), by server.",
             tag_keys=("server",),
         )
         self.prefetched = m.Counter("llm_dataplane_prefetched_blocks", "Blocks brought from L3 to L2 ahead of use.")
@@ -789,7 +790,7 @@ class DataPlane(DrainsOnStop):
                     except (RedisUnavailable, RedisRefused):
                         pass
                     except Exception:  # a bug here must not end the loop
-                        logger.exception("DataPlane: catching up after refused writes failed")
+                        logger.exception("DataPlane: checking the %s Redis, or catching up after its refusal, failed", server)
                     continue
                 try:
                     await self._store.ping(server)

@@ -59,6 +59,9 @@ def _block(i: int) -> bytes:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 async def test_the_store_takes_nothing_it_refuses_and_still_reads(mode):
+    """RedisStore alone: every write is RedisRefused (a 503) carrying what the server
+    said, none of it lands, a read without the expiry refresh works, and writes work
+    again once the server takes them."""
     with LocalRedis() as server:
         store = RedisStore.from_config(RedisConfig(url=server.url, password_env=None), kv_ttl_s=60)
         client = redis.Redis.from_url(server.url)

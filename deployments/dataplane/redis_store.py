@@ -119,6 +119,14 @@ def unavailable_reply(error: BaseException) -> Optional[RedisUnavailable]:
     return RedisUnavailable(_as_said(error)) if _error_code(error) in UNAVAILABLE_CODES else None
 
 
+def _meaning(error: ResponseError) -> Exception:
+    """What an error reply is here: RedisUnavailable (``UNAVAILABLE_CODES``), RedisRefused
+    (``REFUSAL_CODES``), else the reply itself."""
+    if (down := unavailable_reply(error)) is not None:
+        return down
+    return error if refusal_code(error) is None else RedisRefused.of(error)
+
+
 _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -148,11 +156,9 @@ def _unavailable(fn):
             # BusyLoadingError (Redis replaying its AOF) is a ConnectionError too.
             raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
         except ResponseError as e:
-            if (down := unavailable_reply(e)) is not None:
-                raise down from e
-            if refusal_code(e) is None:
+            if (meant := _meaning(e)) is e:
                 raise
-            raise RedisRefused.of(e) from e
+            raise meant from e
 
     return wrapper
 
@@ -479,10 +485,10 @@ class RedisStore:
                     await c.ping()
             except _CONNECTION_ERRORS as e:
                 raise RedisUnavailable(f"{type(e).__name__}: {e}") from e
-            except ResponseError as e:
-                if (down := unavailable_reply(e)) is not None:
-                    raise down from e
-                raise
+            except ResponseError as e:  # a PING is never refused: unavailable or as it is
+                if (meant := _meaning(e)) is e:
+                    raise
+                raise meant from e
         return True
 
     @_unavailable

@@ -53,6 +53,27 @@ def refusing(client: redis.Redis, mode: str):
         _command(client, end)
 
 
+@contextlib.asynccontextmanager
+async def dataplane(reconnect_interval_s: float, **dataplane):
+    """One started DataPlane on a redis-server of its own, with a client on that server."""
+    with LocalRedis() as server:
+        config = AppConfig.model_validate({
+            "dataplane": {
+                "num_replicas": 1,
+                **dataplane,
+                "redis": {"url": server.url, "password_env": None, "reconnect_interval_s": reconnect_interval_s},
+            }
+        })
+        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+        client = redis.Redis.from_url(server.url)
+        await dp.start()
+        try:
+            yield dp, client
+        finally:
+            await dp.drain()
+            client.close()
+
+
 def _block(i: int) -> bytes:
     return encode_block(BlockHeader("float32", (1, 2, 1, 4, 8)), bytes([i]) * 256)
 
@@ -102,87 +123,59 @@ async def test_the_store_takes_nothing_it_refuses_and_still_reads(mode):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
-    with LocalRedis() as server:
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "l2_capacity_bytes": 1 << 22,
-                "sync_interval_ms": 50,
-                "redis": {"url": server.url, "password_env": None, "reconnect_interval_s": 0.2},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
-        client = redis.Redis.from_url(server.url)
-        await dp.start()
-        try:
-            await dp.create_session(TENANT, session_id=SID)
-            assert (await dp.append_turn(TENANT, SID, 0, TURN, 7, turn_id="t1")).version == 1
-            key = keys.session_key(TENANT, SID)
-            before = client.hgetall(key)
-            members = client.smembers(keys.session_blocks_key(TENANT, SID))
-            with refusing(client, mode):
-                # Every replica notices by its write probe, with no request of its own.
-                async def noticed():
-                    return (await dp.status())["refusing_writes"] == ["kv", "sessions"]
+    async with dataplane(0.2, l2_capacity_bytes=1 << 22, sync_interval_ms=50) as (dp, client):
+        await dp.create_session(TENANT, session_id=SID)
+        assert (await dp.append_turn(TENANT, SID, 0, TURN, 7, turn_id="t1")).version == 1
+        key = keys.session_key(TENANT, SID)
+        before = client.hgetall(key)
+        members = client.smembers(keys.session_blocks_key(TENANT, SID))
+        with refusing(client, mode):
+            # Every replica notices by its write probe, with no request of its own.
+            async def noticed():
+                return (await dp.status())["refusing_writes"] == ["kv", "sessions"]
 
-                await eventually(noticed, 10)
-                with pytest.raises(ServiceUnavailableError, match="not accepting writes"):
-                    await dp.append_turn(TENANT, SID, 1, TURN, 7, turn_id="t2")
-                with pytest.raises(ServiceUnavailableError, match="not accepting writes"):
-                    await dp.create_session(TENANT, session_id="sess_" + "n" * 32)
-                assert client.hgetall(key) == before
-                got = await dp.get_session(TENANT, SID)  # read without refreshing its expiry
-                assert (got.version, got.messages) == (1, TURN)
-                # A worker's export of the turn: kept in L2, written once Redis takes it.
-                hashes = ["h0", "h1"]
-                assert await dp.put_blocks(TENANT, hashes, [_block(0), _block(1)], SID, shard_key="h0") == 2
-                await asyncio.sleep(0.3)  # several write-behind periods: they wait in L2
-                assert not client.exists(*[keys.block_key(TENANT, h) for h in hashes])
-                status = await dp.status()
-                assert status["unsynced_blocks"] == 2 and status["degraded"] is False
-                assert client.smembers(keys.session_blocks_key(TENANT, SID)) == members
-
-            async def caught_up():
-                status = await dp.status()
-                return not status["refusing_writes"] and status["unsynced_blocks"] == 0
-
-            await eventually(caught_up, 10)
-            assert [client.get(keys.block_key(TENANT, h)) for h in hashes] == [_block(0), _block(1)]
-            # Listed under the session, so that its delete erases them from Redis.
-            assert {keys.split_session_block_member(m.decode())[1] for m in client.smembers(
-                keys.session_blocks_key(TENANT, SID))} >= set(hashes)
-            assert (await dp.append_turn(TENANT, SID, 1, TURN, 7, turn_id="t2")).version == 2
-            assert await dp.delete_session(TENANT, SID) is True
+            await eventually(noticed, 10)
+            with pytest.raises(ServiceUnavailableError, match="not accepting writes"):
+                await dp.append_turn(TENANT, SID, 1, TURN, 7, turn_id="t2")
+            with pytest.raises(ServiceUnavailableError, match="not accepting writes"):
+                await dp.create_session(TENANT, session_id="sess_" + "n" * 32)
+            assert client.hgetall(key) == before
+            got = await dp.get_session(TENANT, SID)  # read without refreshing its expiry
+            assert (got.version, got.messages) == (1, TURN)
+            # A worker's export of the turn: kept in L2, written once Redis takes it.
+            hashes = ["h0", "h1"]
+            assert await dp.put_blocks(TENANT, hashes, [_block(0), _block(1)], SID, shard_key="h0") == 2
+            await asyncio.sleep(0.3)  # several write-behind periods: they wait in L2
             assert not client.exists(*[keys.block_key(TENANT, h) for h in hashes])
-        finally:
-            await dp.drain()
-            client.close()
+            status = await dp.status()
+            assert status["unsynced_blocks"] == 2 and status["degraded"] is False
+            assert client.smembers(keys.session_blocks_key(TENANT, SID)) == members
+
+        async def caught_up():
+            status = await dp.status()
+            return not status["refusing_writes"] and status["unsynced_blocks"] == 0
+
+        await eventually(caught_up, 10)
+        assert [client.get(keys.block_key(TENANT, h)) for h in hashes] == [_block(0), _block(1)]
+        # Listed under the session, so that its delete erases them from Redis.
+        assert {keys.split_session_block_member(m.decode())[1] for m in client.smembers(
+            keys.session_blocks_key(TENANT, SID))} >= set(hashes)
+        assert (await dp.append_turn(TENANT, SID, 1, TURN, 7, turn_id="t2")).version == 2
+        assert await dp.delete_session(TENANT, SID) is True
+        assert not client.exists(*[keys.block_key(TENANT, h) for h in hashes])
 
 
 async def test_a_read_finds_the_refusal_itself_and_still_answers():
     """Before any probe (a long reconnect interval): a session read's expiry refresh is
     refused, the read answers anyway, and the replica now reports the refusal."""
-    with LocalRedis() as server:
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "redis": {"url": server.url, "password_env": None, "reconnect_interval_s": 300},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
-        client = redis.Redis.from_url(server.url)
-        await dp.start()
-        try:
-            await dp.create_session(TENANT, session_id=SID)
-            assert (await dp.append_turn(TENANT, SID, 0, TURN, 7)).version == 1
-            with refusing(client, "oom"):
-                assert (await dp.status())["refusing_writes"] == []
-                got = await dp.get_session(TENANT, SID)
-                assert (got.version, got.messages) == (1, TURN)
-                assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
-        finally:
-            await dp.drain()
-            client.close()
+    async with dataplane(300) as (dp, client):
+        await dp.create_session(TENANT, session_id=SID)
+        assert (await dp.append_turn(TENANT, SID, 0, TURN, 7)).version == 1
+        with refusing(client, "oom"):
+            assert (await dp.status())["refusing_writes"] == []
+            got = await dp.get_session(TENANT, SID)
+            assert (got.version, got.messages) == (1, TURN)
+            assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
 
 
 async def test_a_server_busy_with_a_script_is_unavailable_until_it_is_killed():

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import re
+import sys
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -303,6 +304,14 @@ class Ingress:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequestError(f"Request body is not valid JSON: {e}") from None
+        except ValueError:
+            # Python refuses to convert an integer of more than sys.get_int_max_str_digits()
+            # digits (4300 by default, a guard against quadratic-time parsing): valid JSON,
+            # but a number no field here could hold. It was a 500.
+            raise InvalidRequestError(
+                "Request body holds an integer longer than "
+                f"{sys.get_int_max_str_digits()} digits, more than any field takes."
+            ) from None
         except RecursionError:
             raise InvalidRequestError(too_deep) from None
         if not isinstance(data, dict):
@@ -329,6 +338,13 @@ class Ingress:
             msg = first["msg"].removeprefix("Value error, ")
             where = f"'{param}'" if param else "request"
             raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            name, accepted = unsupported
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this server: leave it out or send {accepted}.",
+                param=name,
+            )
         if req.model != self._config.model.id:
             raise NotFoundError(
                 f"The model '{req.model}' does not exist; this server serves "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -49,6 +49,65 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+    def unsupported_field(self) -> Optional[tuple[str, str]]:
+        """The first field the client set to a value that would change what it gets back
+        (sampling, output shape or format) but that this server does not implement, as
+        ``(name, what is accepted)``; None when there is none. Such a field must not be
+        ignored the way unknown fields are: the client would get an answer it did not ask
+        for (logprobs null, free text instead of JSON, unpenalised tokens) with a 200.
+        Neutral values (the defaults clients often send explicitly) pass."""
+        extra = self.model_extra or {}
+        for table in (_UNSUPPORTED_ANY, self._UNSUPPORTED):
+            for name, (neutral, accepted) in table.items():
+                if name in extra and not neutral(extra[name]):
+                    return name, accepted
+        return None
+
+    _UNSUPPORTED: ClassVar[dict] = {}
+
+
+def _unset(value) -> bool:
+    return value is None
+
+
+def _zero(value) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+def _empty(value) -> bool:
+    return value is None or value == {} or value == []
+
+
+def _false(value) -> bool:
+    return value is None or value is False
+
+
+def _one_of(*allowed):
+    return lambda value: value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+
+# OpenAI's fields, and vLLM's extensions that clients of a vLLM server send, that are set
+# per request and that no engine here applies yet: name -> (is the value neutral, what is
+# accepted, for the message).
+_UNSUPPORTED_ANY = {
+    "frequency_penalty": (_zero, "0"),
+    "presence_penalty": (_zero, "0"),
+    "repetition_penalty": (_one_of(1, 1.0), "1"),
+    "logit_bias": (_empty, "{}"),
+    "top_k": (_one_of(0, -1), "0 or -1 (no limit)"),
+    "min_p": (_zero, "0"),
+    "min_tokens": (_zero, "0"),
+    "stop_token_ids": (_empty, "[]"),
+    "use_beam_search": (_false, "false"),
+    "prompt_logprobs": (_unset, "null"),
+    "guided_json": (_unset, "null"),
+    "guided_regex": (_unset, "null"),
+    "guided_choice": (_unset, "null"),
+    "guided_grammar": (_unset, "null"),
+    "structured_outputs": (_unset, "null"),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -78,10 +137,29 @@ class ChatCompletionRequest(_Request):
     # with the X-Session-Id header).
     session_id: Optional[str] = Field(default=None, max_length=128)
 
+    _UNSUPPORTED: ClassVar[dict] = {
+        "logprobs": (_false, "false"),
+        "top_logprobs": (_zero, "0"),
+        "tools": (_empty, "[]"),
+        "tool_choice": (_one_of("none", "auto"), '"none" or "auto" without tools'),
+        "functions": (_empty, "[]"),
+        "function_call": (_one_of("none", "auto"), '"none" or "auto" without functions'),
+        "response_format": (_one_of({"type": "text"}), '{"type": "text"}'),
+        "modalities": (_one_of(["text"]), '["text"]'),
+        "audio": (_unset, "null"),
+        "prediction": (_unset, "null"),
+    }
+
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
+
+    _UNSUPPORTED: ClassVar[dict] = {
+        "logprobs": (_unset, "null"),
+        "suffix": (_one_of(""), '""'),
+        "best_of": (_one_of(1), "1"),
+    }
 
     @field_validator("prompt")
     @classmethod

@@ -272,6 +272,33 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "path, override, param",
+    [
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"frequency_penalty": 0.0, "presence_penalty": 1.5}, "presence_penalty"),
+        ("/v1/completions", {"logprobs": 1}, "logprobs"),
+    ],
+)
+def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, path, override, param):
+    """Ignored, these were a 200 without what was asked for (logprobs null, free text)."""
+    body = chat_body(served_app, **override) if "chat" in path else {
+        "model": served_app.model_id, "prompt": "hi", "max_tokens": 2, **override}
+    err = assert_openai_error(post(served_app, path, body), 400, param)
+    assert "not supported" in err["message"]
+    r = post(served_app, path, {**body, param: None})  # the same request without it
+    assert r.status_code == 200, r.text
+
+
+def test_an_integer_longer_than_python_reads_is_400(served_app):
+    """json.loads refuses integers of more than 4300 digits with a ValueError: a 500."""
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (served_app.model_id.encode(), b"9" * 5000)
+    r = post(served_app, "/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(r, 400)
+    assert "digits" in err["message"]
+
+
 def test_missing_model_field_is_400(served_app):
     r = post(served_app, "/v1/completions", {"prompt": "hi"})
     assert_openai_error(r, 400, "model")

@@ -89,6 +89,53 @@ def test_completion_prompt_forms():
         CompletionRequest.model_validate({"model": "m", "prompt": ""})
 
 
+CHAT_REQ = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION_REQ = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    "base, field, value",
+    [
+        (CHAT_REQ, "logprobs", True),
+        (CHAT_REQ, "top_logprobs", 5),
+        (CHAT_REQ, "frequency_penalty", 0.5),
+        (CHAT_REQ, "presence_penalty", -1),
+        (CHAT_REQ, "logit_bias", {"17": 100}),
+        (CHAT_REQ, "response_format", {"type": "json_object"}),
+        (CHAT_REQ, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CHAT_REQ, "tool_choice", "required"),
+        (CHAT_REQ, "top_k", 5),
+        (CHAT_REQ, "repetition_penalty", 1.2),
+        (CHAT_REQ, "min_tokens", 3),
+        (CHAT_REQ, "guided_json", {"type": "object"}),
+        (COMPLETION_REQ, "logprobs", 0),  # 0: the sampled token's logprob, still an output
+        (COMPLETION_REQ, "best_of", 3),
+        (COMPLETION_REQ, "suffix", "tail"),
+        (COMPLETION_REQ, "frequency_penalty", "0"),  # not a number: not neutral either
+    ],
+)
+def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_named(base, field, value):
+    """Ignored like an unknown field, these gave a 200 the client did not ask for."""
+    schema = ChatCompletionRequest if "messages" in base else CompletionRequest
+    name, accepted = schema.model_validate({**base, field: value}).unsupported_field()
+    assert name == field and accepted
+
+
+@pytest.mark.parametrize(
+    "base, extra",
+    [
+        (CHAT_REQ, {"logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0,
+                    "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                    "top_k": -1, "repetition_penalty": 1.0, "min_p": 0, "metadata": {"a": "b"}, "store": False}),
+        (COMPLETION_REQ, {"logprobs": None, "best_of": 1, "suffix": "", "logit_bias": None, "user": "u"}),
+    ],
+)
+def test_neutral_values_and_unknown_fields_pass(base, extra):
+    """The defaults that clients send explicitly, and fields that change nothing here."""
+    schema = ChatCompletionRequest if "messages" in base else CompletionRequest
+    assert schema.model_validate({**base, **extra}).unsupported_field() is None
+
+
 def test_api_error_survives_pickling_with_fields():
     err = RateLimitError("full", code="queue_full", headers={"Retry-After": "2"})
     back = pickle.loads(pickle.dumps(err))

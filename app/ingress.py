@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -203,6 +204,24 @@ class _SessionMoved(Exception):
         self.record = record
 
 
+# JSON has no -inf: OpenAI and vLLM send this floor for a token the model rules out.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN too)
+
+
+def chat_logprob(token_text, token_id: int, logprob: float, top: list) -> dict:
+    """One entry of a chat choice's ``logprobs.content``."""
+
+    def entry(i: int, value: float) -> dict:
+        token = token_text(i)
+        return {"token": token, "logprob": json_logprob(value), "bytes": list(token.encode("utf-8", "replace"))}
+
+    return {**entry(token_id, logprob), "top_logprobs": [entry(i, v) for i, v in top]}
+
+
 class _Call:
     """Bookkeeping of one generation call: timings, tokens, and the final record."""
 
@@ -224,12 +243,17 @@ class _Call:
         self.prompt_ids: Optional[list[int]] = None
         self.output_ids: Optional[list[int]] = None
         self.streamed = True
+        # (token id, TokenLogprobs) of every output token, for a reply sent whole that
+        # asked for logprobs (a stream hands each delta's own to its chunk).
+        self.logprob_items: Optional[list] = None
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
             self.first_token_at = time.monotonic()
         if self.output_ids is not None:
             self.output_ids.extend(delta.token_ids)
+        if self.logprob_items is not None and delta.logprobs:
+            self.logprob_items.extend(zip(delta.token_ids, delta.logprobs))
         self.num_output_tokens = max(
             self.num_output_tokens + len(delta.token_ids), delta.num_output_tokens
         )
@@ -280,6 +304,8 @@ class Ingress:
         model_path = self._config.model.resolved_path()
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
+        # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
+        self._token_text = functools.lru_cache(maxsize=1 << 17)(lambda i: self._tokenizer.decode([i]))
         self._max_model_len = self._config.model.checkpoint_max_len()
         self._created = now()
         self._m = _Metrics()
@@ -328,6 +354,29 @@ class Ingress:
                     param=where,
                 )
         return data
+
+    def _logprobs_json(self, chat: bool, items: Optional[list], offset: int = 0) -> tuple[Optional[dict], int]:
+        """A choice's ``logprobs`` object for (token id, TokenLogprobs) items, in the chat
+        or the completions API's form (None when none were asked for), and the text offset
+        after them (completions: each token's offset in the choice's text)."""
+        if items is None:
+            return None, offset
+        text = self._token_text
+        if chat:
+            return {"content": [chat_logprob(text, t, lp, top) for t, (lp, top) in items]}, offset
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for token_id, (lp, top) in items:
+            token = text(token_id)
+            tokens.append(token)
+            token_logprobs.append(json_logprob(lp))
+            # The legacy API lists the chosen token among the top ones too (up to k + 1).
+            tops = {text(i): json_logprob(v) for i, v in top}
+            tops.setdefault(token, json_logprob(lp))
+            top_logprobs.append(tops)
+            text_offset.append(offset)
+            offset += len(token)
+        body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+        return body, offset
 
     def _validate(self, schema, data: dict):
         try:
@@ -397,6 +446,7 @@ class Ingress:
                 seed=req.seed,
                 stop=list(req.stop),
                 ignore_eos=req.ignore_eos,
+                logprobs=req.requested_logprobs(),
             ),
             trace_headers=telemetry.inject_context(),
         )
@@ -768,6 +818,8 @@ class Ingress:
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
+            if not req.stream and req.requested_logprobs() is not None:
+                c.logprob_items = []
         call = calls[0]
         call.turn = turn
         if turn is not None:
@@ -785,6 +837,8 @@ class Ingress:
         span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
+        if req.requested_logprobs() is not None:
+            span.set_attribute("llm.logprobs", req.requested_logprobs())
         streams = [
             _LocalStream(self._router.generate(g, gate=check, session_lookup=early if i == 0 else None))
             for i, g in enumerate(gen_requests)
@@ -827,12 +881,13 @@ class Ingress:
                     {
                         "index": i,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
+                        "logprobs": self._logprobs_json(chat, c.logprob_items)[0],
                         "finish_reason": c.finish_reason,
                     }
                 )
             else:
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+                logprobs = self._logprobs_json(chat, c.logprob_items)[0]
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         body = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
@@ -854,15 +909,24 @@ class Ingress:
             "model": req.model,
         }
         include_usage = req.include_usage_in_stream()
+        want_logprobs = req.requested_logprobs() is not None
+        # Per choice: (token id, TokenLogprobs) of tokens whose deltas sent no chunk yet (no
+        # text yet: a character split across tokens), and the completions API's text offset.
+        carried: list[list] = [[] for _ in calls]
+        offsets = [0] * len(calls)
 
         def chunk(index: int, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
+            logprobs = None
+            if want_logprobs and not role:
+                logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index])
+                carried[index] = []
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if role else (
                     {"content": text} if text else {}
                 )
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             payload = {**base, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
@@ -879,6 +943,8 @@ class Ingress:
                 delta = firsts[0]
                 while True:
                     parts.append(delta.text)
+                    if want_logprobs and delta.logprobs:
+                        carried[0].extend(zip(delta.token_ids, delta.logprobs))
                     if delta.finish_reason is not None:
                         # The turn is stored before the final chunk, so a client that saw
                         # finish_reason knows its turn is in the session (or gets the 409).
@@ -907,6 +973,8 @@ class Ingress:
                 for i, first in enumerate(firsts):
                     if chat:
                         yield chunk(i, "", None, role=True)
+                    if want_logprobs and first.logprobs:
+                        carried[i].extend(zip(first.token_ids, first.logprobs))
                     if first.text or first.finish_reason:
                         yield chunk(i, first.text, first.finish_reason)
                 open_choices = sum(1 for f in firsts if f.finish_reason is None)
@@ -915,6 +983,8 @@ class Ingress:
                     i, item = await queue.get()
                     if isinstance(item, Exception):
                         raise item
+                    if want_logprobs and item.logprobs:
+                        carried[i].extend(zip(item.token_ids, item.logprobs))
                     if item.text or item.finish_reason:
                         yield chunk(i, item.text, item.finish_reason)
                     if item.finish_reason is not None:

@@ -13,6 +13,8 @@ from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.compute.engines.protocol import MAX_LOGPROBS
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -136,10 +138,20 @@ class ChatCompletionRequest(_Request):
     # Server-side context: the stored history goes in front of `messages` (also settable
     # with the X-Session-Id header).
     session_id: Optional[str] = Field(default=None, max_length=128)
+    # Each output token's log-probability in the reply, and that many alternatives.
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def requested_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     _UNSUPPORTED: ClassVar[dict] = {
-        "logprobs": (_false, "false"),
-        "top_logprobs": (_zero, "0"),
         "tools": (_empty, "[]"),
         "tool_choice": (_one_of("none", "auto"), '"none" or "auto" without tools'),
         "functions": (_empty, "[]"),
@@ -154,9 +166,14 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
+    # Each output token's log-probability, and the top `logprobs` tokens at its position
+    # (plus the chosen one, as OpenAI's legacy API returns them).
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
     _UNSUPPORTED: ClassVar[dict] = {
-        "logprobs": (_unset, "null"),
         "suffix": (_one_of(""), '""'),
         "best_of": (_one_of(1), "1"),
     }

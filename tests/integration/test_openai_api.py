@@ -101,6 +101,72 @@ def test_greedy_through_service_equals_direct_transformers_generate(served_app):
     assert r.choices[0].text == expected
 
 
+def test_logprobs_are_the_models_own_and_stream_as_they_are_sent_whole(served_app):
+    """Each output token's logprob and the top ones at its position equal a direct forward
+    pass of the checkpoint with transformers (log-softmax of the raw logits), on either
+    engine; streamed, the chunks carry the same entries as the whole reply, in order."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served_app.model_path)
+    model = AutoModelForCausalLM.from_pretrained(served_app.model_path, dtype=torch.float32)
+    prompt = tok.encode("The old lighthouse keeper said")
+    steps, k = 8, 3
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+        )
+        generated = out[0, len(prompt):].tolist()
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+    client = served_app.client()
+    kw = dict(model=served_app.model_id, prompt=prompt, max_tokens=steps, temperature=0, logprobs=k,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in generated]
+    assert lp.token_logprobs == pytest.approx([float(expected[j, t]) for j, t in enumerate(generated)], abs=2e-3)
+    for j, tops in enumerate(lp.top_logprobs):
+        values, ids = expected[j].topk(k)
+        assert sorted(tops.values(), reverse=True) == pytest.approx(values.tolist(), abs=2e-3)
+        assert set(tops) == {tok.decode([i]) for i in ids.tolist()}  # greedy: the chosen one is among them
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(steps)]
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [(t, v) for c in chunks if c.choices[0].logprobs for t, v in
+                zip(c.choices[0].logprobs.tokens, c.choices[0].logprobs.token_logprobs)]
+    assert [t for t, _ in streamed] == lp.tokens
+    assert [v for _, v in streamed] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    # n sampled choices: each streams its own entries (chunks interleave by index).
+    n_kw = {**kw, "temperature": 1.0, "seed": 3, "n": 2, "logprobs": 1}
+    whole = client.completions.create(**n_kw)
+    by_index: dict[int, list] = {0: [], 1: []}
+    for c in client.completions.create(stream=True, **n_kw):
+        for choice in c.choices:
+            by_index[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+    assert [by_index[c.index] for c in whole.choices] == [c.logprobs.tokens for c in whole.choices]
+    assert [len(c.logprobs.top_logprobs[0]) in (1, 2) for c in whole.choices] == [True, True]
+
+    # Chat: the chosen token and top_logprobs alternatives per token, whole and streamed.
+    chat_kw = dict(model=served_app.model_id, messages=CHAT, max_tokens=steps, temperature=0, logprobs=True,
+                   top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**chat_kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == steps
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6)  # greedy
+        assert e.bytes == list(e.token.encode("utf-8", "replace"))
+    parts = [e for c in client.chat.completions.create(stream=True, **chat_kw)
+             if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in parts] == [e.token for e in content]
+    assert [e.logprob for e in parts] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # Without the field the reply has none.
+    assert client.chat.completions.create(**{**chat_kw, "logprobs": None, "top_logprobs": None}).choices[0].logprobs is None
+
+
 def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     client = served_app.client()
     prompt = list(range(20, 40))
@@ -275,10 +341,9 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
 @pytest.mark.parametrize(
     "path, override, param",
     [
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"frequency_penalty": 0.0, "presence_penalty": 1.5}, "presence_penalty"),
-        ("/v1/completions", {"logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
     ],
 )
 def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, path, override, param):

@@ -162,15 +162,22 @@ async def test_cancelling_the_consumer_task_frees_the_slot(engine):
 @pytest.mark.asyncio
 async def test_slow_consumer_gets_coalesced_deltas(engine):
     ids = encode(engine, PROMPTS[1])
-    _, expected, expected_text = await collect(engine, make_request("fast", ids, max_tokens=40, ignore_eos=True))
+    fast = []
+    async for delta in engine.generate(make_request("fast", ids, max_tokens=40, ignore_eos=True, logprobs=1)):
+        fast.append(delta)
+    expected = [t for d in fast for t in d.token_ids]
     deltas = []
-    async for delta in engine.generate(make_request("slow", ids, max_tokens=40, ignore_eos=True)):
+    async for delta in engine.generate(make_request("slow", ids, max_tokens=40, ignore_eos=True, logprobs=1)):
         deltas.append(delta)
         await asyncio.sleep(0.05)
     assert len(deltas) < 40
     assert [t for d in deltas for t in d.token_ids] == expected
-    assert "".join(d.text for d in deltas) == expected_text
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in fast)
     assert deltas[-1].num_output_tokens == 40
+    # Each token keeps its own logprobs entry through the merge (greedy: the top one).
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [top[0][0] for _, top in entries] == expected
+    assert [lp for lp, _ in entries] == pytest.approx([lp for d in fast for lp, _ in d.logprobs], abs=1e-5)
 
 
 @pytest.mark.asyncio

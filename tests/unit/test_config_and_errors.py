@@ -96,8 +96,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     "base, field, value",
     [
-        (CHAT_REQ, "logprobs", True),
-        (CHAT_REQ, "top_logprobs", 5),
         (CHAT_REQ, "frequency_penalty", 0.5),
         (CHAT_REQ, "presence_penalty", -1),
         (CHAT_REQ, "logit_bias", {"17": 100}),
@@ -108,7 +106,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
         (CHAT_REQ, "repetition_penalty", 1.2),
         (CHAT_REQ, "min_tokens", 3),
         (CHAT_REQ, "guided_json", {"type": "object"}),
-        (COMPLETION_REQ, "logprobs", 0),  # 0: the sampled token's logprob, still an output
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
         (COMPLETION_REQ, "frequency_penalty", "0"),  # not a number: not neutral either

@@ -190,3 +190,44 @@ async def test_one_failing_choice_ends_the_stream_and_stops_the_others():
     out = events(await collect_n(ing, req, firsts, streams))
     assert out[-2]["error"]["type"] == "service_unavailable" and out[-1] == "[DONE]"
     assert all(s.cancelled for s in streams)
+
+
+async def test_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
+    """A token that ends inside a character sends no chunk of its own; its logprob entry
+    must not be lost but go out with the chunk that carries its text, in order, and the
+    completions API's text offsets count the tokens' own texts."""
+    ing = make_ingress()
+    ing._token_text = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "d", 9: "e"}.get
+    req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True, "logprobs": 1})
+    first = TokenDelta("a", [1], None, 3, 1, logprobs=[(-0.1, [(1, -0.1)])])
+    stream = FakeStream([
+        TokenDelta("", [2], None, 3, 2, logprobs=[(-0.2, [(2, -0.2)])]),
+        TokenDelta("\u00e9", [3], None, 3, 3, logprobs=[(-0.3, [(9, -0.25)])]),
+        TokenDelta("", [4], "length", 3, 4, logprobs=[(float("-inf"), [(4, float("-inf"))])]),
+    ])
+    out = events(await collect(ing, req, first, stream))
+    lps = [e["choices"][0]["logprobs"] for e in out[:-1]]
+    assert [lp["tokens"] for lp in lps] == [["a"], ["\ufffd", "\ufffd"], ["d"]]
+    assert [lp["token_logprobs"] for lp in lps] == [[-0.1], [-0.2, -0.3], [-9999.0]]  # JSON has no -inf
+    assert [lp["text_offset"] for lp in lps] == [[0], [1, 2], [3]]
+    # The legacy form lists the chosen token among the top ones when it is not there.
+    assert lps[1]["top_logprobs"] == [{"\ufffd": -0.2}, {"e": -0.25, "\ufffd": -0.3}]
+
+
+async def test_a_reply_sent_whole_carries_every_tokens_logprobs():
+    ing = make_ingress()
+    ing._token_text = {1: "a", 2: "b"}.get
+    call = _Call("completions", "r1", 3)
+    call.logprob_items = []
+    first = TokenDelta("a", [1], None, 3, 1, logprobs=[(-0.5, [(1, -0.5), (2, -1.5)])])
+    call.on_delta(first)
+    stream = FakeStream([TokenDelta("b", [2], "stop", 3, 2, logprobs=[(-0.7, [])])])
+    assert await ing._rest_of_choice(call, first, stream) == "ab"
+    body, offset = ing._logprobs_json(False, call.logprob_items)
+    assert body == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.7],
+                    "top_logprobs": [{"a": -0.5, "b": -1.5}, {"b": -0.7}], "text_offset": [0, 1]}
+    assert offset == 2
+    chat, _ = ing._logprobs_json(True, call.logprob_items)
+    assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.5, "bytes": [98]}]}
+    assert ing._logprobs_json(True, None) == (None, 0)

@@ -2,7 +2,7 @@
 
 import torch
 
-from deployments.compute.engines.sampling import make_generator, sample, sample_one, top_p_filter
+from deployments.compute.engines.sampling import make_generator, sample, sample_one, token_logprobs, top_p_filter
 
 
 def random_logits(batch: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -65,3 +65,15 @@ def test_temperature_sharpens_and_flattens():
     hot = [sample_one(logits, 100.0, 1.0, gen) for _ in range(600)]
     assert set(cold) == {0}
     assert min(hot.count(t) for t in range(3)) > 120  # close to uniform
+
+
+def test_token_logprobs_are_the_raw_log_softmax_of_the_rows_asked_for():
+    logits = random_logits(4)
+    expected = torch.log_softmax(logits, dim=-1)
+    out = token_logprobs(logits, [1, 3], [7, 2], [3, 0])
+    assert len(out) == 2
+    (chosen, top), (chosen3, top3) = out
+    assert chosen == expected[1, 7].item() and chosen3 == expected[3, 2].item()
+    values, ids = expected[1].topk(3)
+    assert top == list(zip(ids.tolist(), values.tolist()))  # most likely first
+    assert top3 == []

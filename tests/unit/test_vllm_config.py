@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from app.config import AppConfig, VLLMOptions
-from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+from deployments.compute.engines.protocol import EngineError, GenerationRequest, SamplingParams
 from deployments.compute.engines.vllm_engine import (
     cpu_reserved_cores_env,
     DEFAULT_CPU_KV_CACHE_GIB,
@@ -19,6 +19,7 @@ from deployments.compute.engines.vllm_engine import (
     engine_args_kwargs,
     kv_transfer_kwargs,
     kv_transfer_params,
+    delta_logprobs,
     sampling_params_kwargs,
     vllm_kv_block_size,
 )
@@ -342,3 +343,22 @@ def test_sharded_replica_gets_a_placement_group_and_ray_executor():
         model_path="/m", served_model_name=None, dtype="bfloat16", max_model_len=None,
         max_num_seqs=8, options=single.engine.vllm, on_cpu=False,
     )
+
+
+def test_vllm_logprobs_become_the_protocols_entries():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Logprob:  # vllm.logprobs.Logprob's fields
+        logprob: float
+        rank: int
+        decoded_token: str = ""
+
+    assert sampling_params_kwargs(SamplingParams(max_tokens=1, logprobs=0))["logprobs"] == 0
+    assert "logprobs" not in sampling_params_kwargs(SamplingParams(max_tokens=1))
+    # The sampled token (rank 5, outside the top 2) comes first in vLLM's dict.
+    positions = [{9: Logprob(-3.0, 5), 4: Logprob(-0.5, 2), 2: Logprob(-0.2, 1)}, {2: Logprob(-0.1, 1)}]
+    assert delta_logprobs([9, 2], positions, 2) == [(-3.0, [(2, -0.2), (4, -0.5)]), (-0.1, [(2, -0.1)])]
+    assert delta_logprobs([9], positions[:1], 0) == [(-3.0, [])]
+    with pytest.raises(EngineError):
+        delta_logprobs([9, 2], positions[:1], 2)

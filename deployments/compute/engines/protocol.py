@@ -26,6 +26,16 @@ from typing import Any, AsyncIterator, Literal, Optional
 
 FinishReason = Literal["stop", "length"]
 
+# The most alternatives per token an engine returns (OpenAI's top_logprobs limit, and
+# vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+# Of one output token: its log-probability, and the ``k`` most likely tokens at its
+# position as (token id, log-probability), most likely first. Log-probabilities are of the
+# model's raw distribution (log-softmax of the logits, before temperature or top-p), as
+# vLLM's default ``logprobs_mode`` gives them.
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -37,6 +47,9 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Return each output token's log-probability and this many alternatives
+    # (TokenDelta.logprobs); None: none.
+    logprobs: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -84,6 +97,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     # Cumulative number of output tokens generated so far (including this delta).
     num_output_tokens: int = 0
+    # One entry per id in token_ids when the request asked for logprobs, else None.
+    logprobs: Optional[list[TokenLogprobs]] = None
 
 
 @dataclass(slots=True)
@@ -145,6 +160,10 @@ def validate_request(
         raise RequestRejected(f"temperature must be >= 0, got {params.temperature}", param="temperature")
     if not 0 < params.top_p <= 1:
         raise RequestRejected(f"top_p must be in (0, 1], got {params.top_p}", param="top_p")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise RequestRejected(
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", param="logprobs"
+        )
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     try:

@@ -63,3 +63,20 @@ def sample(
         if temperature > 0.0:
             token_ids[i] = sample_one(logits[i], temperature, top_ps[i], generators[i])
     return token_ids
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int], ks: Sequence[int]
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each of ``rows`` of ``logits`` ([batch, vocab]): the log-probability of the
+    token picked there and the ``k`` most likely tokens with theirs (protocol.TokenLogprobs).
+    Of the raw distribution, before temperature and top-p (vLLM's default)."""
+    logprobs = torch.log_softmax(logits[list(rows)].float(), dim=-1)
+    out = []
+    for j, (token_id, k) in enumerate(zip(token_ids, ks)):
+        top: list[tuple[int, float]] = []
+        if k:
+            values, ids = logprobs[j].topk(k)
+            top = list(zip(ids.tolist(), values.tolist()))
+        out.append((float(logprobs[j, token_id]), top))
+    return out

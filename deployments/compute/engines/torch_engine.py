@@ -77,9 +77,10 @@ from deployments.compute.engines.protocol import (
     GenerationRequest,
     RequestRejected,
     TokenDelta,
+    TokenLogprobs,
     validate_request,
 )
-from deployments.compute.engines.sampling import make_generator, sample
+from deployments.compute.engines.sampling import make_generator, sample, token_logprobs
 from deployments.compute.engines.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
@@ -150,6 +151,8 @@ class _Request:
     results: asyncio.Queue
     # Sampled but not yet fed through the model (its K/V are not in the cache yet).
     pending_token_id: int = -1
+    # That token's logprobs, when the request asked for them.
+    pending_logprobs: Optional[TokenLogprobs] = None
     done: bool = False
     # Imported K/V of the first P prompt tokens, [layers, 2, kv_heads, P, head_dim] on CPU;
     # dropped once prefilled.
@@ -1049,6 +1052,13 @@ class TorchEngine(Engine):
         token_ids = sample(
             logits, [p.temperature for p in params], [p.top_p for p in params], [r.generator for r in reqs]
         )
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            found = token_logprobs(
+                logits, wanted, [token_ids[i] for i in wanted], [params[i].logprobs for i in wanted]
+            )
+            for i, entry in zip(wanted, found):
+                reqs[i].pending_logprobs = entry
         for r, token_id in zip(reqs, token_ids):
             r.pending_token_id = token_id
             self._scheduler.append_token(r.seq, token_id)
@@ -1115,6 +1125,7 @@ class TorchEngine(Engine):
             finish_reason=finish,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
+            logprobs=None if params.logprobs is None else [req.pending_logprobs],
         )
         if finish is not None:
             if self._kv is not None:
@@ -1214,4 +1225,5 @@ def _coalesce(items: list[Union[TokenDelta, BaseException]]) -> TokenDelta:
         finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
+        logprobs=None if last.logprobs is None else [e for d in items for e in d.logprobs or ()],
     )

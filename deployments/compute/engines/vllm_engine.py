@@ -211,7 +211,27 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop:
         kwargs["stop"] = list(params.stop)
+    if params.logprobs is not None:
+        # The sampled token's logprob plus this many of the most likely (vLLM's default
+        # logprobs_mode, raw_logprobs: before temperature and top-p, as the torch engine).
+        kwargs["logprobs"] = params.logprobs
     return kwargs
+
+
+def delta_logprobs(token_ids: list[int], positions, k: int) -> list:
+    """protocol.TokenLogprobs of each new token from vLLM's per-position dicts
+    ({token id: Logprob}: the sampled token and the ``k`` of rank 1..k)."""
+    entries = []
+    for token_id, position in zip(token_ids, positions or ()):
+        chosen = position.get(token_id)
+        top = sorted(
+            ((i, p.logprob) for i, p in position.items() if p.rank is not None and p.rank <= k),
+            key=lambda item: -item[1],
+        )[:k]
+        entries.append((chosen.logprob if chosen is not None else float("-inf"), top))
+    if len(entries) != len(token_ids):
+        raise EngineError(f"vLLM returned logprobs for {len(entries)} of {len(token_ids)} tokens")
+    return entries
 
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -532,12 +552,14 @@ class VLLMEngine(Engine):
                 if reason is not None and not isinstance(getattr(completion, "stop_reason", None), str):
                     text += self._flush_tail(all_token_ids, streamed + text)
                 streamed += text
+                k = request.sampling.logprobs
                 yield TokenDelta(
                     text=text,
                     token_ids=token_ids,
                     finish_reason=reason,
                     num_prompt_tokens=num_prompt,
                     num_output_tokens=num_output,
+                    logprobs=None if k is None else delta_logprobs(token_ids, completion.logprobs, k),
                 )
                 if reason is not None:
                     return

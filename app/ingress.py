@@ -446,7 +446,7 @@ class Ingress:
                 seed=req.seed,
                 stop=list(req.stop),
                 ignore_eos=req.ignore_eos,
-                logprobs=req.requested_logprobs(),
+                **req.sampling_extras(),
             ),
             trace_headers=telemetry.inject_context(),
         )

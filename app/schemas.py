@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.compute.engines.protocol import MAX_LOGPROBS
 
+# OpenAI's limit on the entries of logit_bias.
+MAX_LOGIT_BIAS_TOKENS = 300
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -32,6 +35,42 @@ class _Request(BaseModel):
     user: Optional[str] = Field(default=None, max_length=256)
     # vLLM-compatible extension used by benchmarks for fixed output lengths.
     ignore_eos: bool = False
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    # Token id (as a string, JSON keys are) -> bias added to its logit.
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM's extensions, with vLLM's meaning (protocol.SamplingParams).
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=2.0)
+    top_k: Optional[int] = Field(default=None, ge=-1)  # -1 or 0: no limit
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: Optional[int] = Field(default=None, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value):
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    def sampling_extras(self) -> dict:
+        """SamplingParams' fields beyond temperature, top_p and the like, as set here."""
+        return {
+            "top_k": max(self.top_k or 0, 0),
+            "min_p": self.min_p or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "min_tokens": self.min_tokens or 0,
+            "logprobs": self.requested_logprobs(),
+        }
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -67,13 +106,12 @@ class _Request(BaseModel):
 
     _UNSUPPORTED: ClassVar[dict] = {}
 
+    def requested_logprobs(self) -> Optional[int]:
+        return None
+
 
 def _unset(value) -> bool:
     return value is None
-
-
-def _zero(value) -> bool:
-    return value is None or (type(value) in (int, float) and value == 0)
 
 
 def _empty(value) -> bool:
@@ -92,13 +130,6 @@ def _one_of(*allowed):
 # per request and that no engine here applies yet: name -> (is the value neutral, what is
 # accepted, for the message).
 _UNSUPPORTED_ANY = {
-    "frequency_penalty": (_zero, "0"),
-    "presence_penalty": (_zero, "0"),
-    "repetition_penalty": (_one_of(1, 1.0), "1"),
-    "logit_bias": (_empty, "{}"),
-    "top_k": (_one_of(0, -1), "0 or -1 (no limit)"),
-    "min_p": (_zero, "0"),
-    "min_tokens": (_zero, "0"),
     "stop_token_ids": (_empty, "[]"),
     "use_beam_search": (_false, "false"),
     "prompt_logprobs": (_unset, "null"),

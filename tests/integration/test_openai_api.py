@@ -167,6 +167,69 @@ def test_logprobs_are_the_models_own_and_stream_as_they_are_sent_whole(served_ap
     assert client.chat.completions.create(**{**chat_kw, "logprobs": None, "top_logprobs": None}).choices[0].logprobs is None
 
 
+def test_penalties_bias_top_k_min_p_and_min_tokens_mean_what_vllm_means(served_app):
+    """The sampling controls beyond temperature and top_p, on either engine, against a
+    greedy loop over the checkpoint with transformers that applies them as vLLM defines
+    them (the vLLM engine passes them to vLLM itself, so it checks the loop too)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served_app.model_path)
+    model = AutoModelForCausalLM.from_pretrained(served_app.model_path, dtype=torch.float32)
+    prompt = tok.encode("The old lighthouse keeper said")
+    steps = 12
+
+    def greedy(presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(steps):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                for token, value in (bias or {}).items():
+                    logits[token] += value
+                out = torch.tensor(ids[len(prompt):], dtype=torch.long)
+                counts = torch.bincount(out, minlength=logits.shape[0])
+                seen = (counts > 0) | (torch.bincount(torch.tensor(prompt), minlength=logits.shape[0]) > 0)
+                rp = torch.where(seen, torch.tensor(repetition), torch.tensor(1.0))
+                logits = torch.where(logits > 0, logits / rp, logits * rp)
+                logits = logits - frequency * counts - presence * (counts > 0).float()
+                ids.append(int(logits.argmax()))
+        return tok.decode(ids[len(prompt):])
+
+    client = served_app.client()
+
+    def complete(**kw):
+        body = dict(model=served_app.model_id, prompt=prompt, max_tokens=steps, temperature=0)
+        extra = {"ignore_eos": True, **kw.pop("extra", {})}
+        return client.completions.create(**{**body, **kw}, extra_body=extra).choices[0]
+
+    plain = greedy()
+    assert complete().text == plain
+    # A bias of +100 picks its token every time (the logits here span about -19 to 19).
+    assert complete(logit_bias={"77": 100}).text == tok.decode([77] * steps)
+    # With a bias of +30 the penalties end the repetition after a few tokens.
+    biased = greedy(bias={77: 30.0})
+    penalised = greedy(presence=2.0, frequency=2.0, repetition=1.3, bias={77: 30.0})
+    assert biased == tok.decode([77] * steps) and penalised != biased
+    assert complete(logit_bias={"77": 30}).text == biased
+    r = complete(logit_bias={"77": 30}, presence_penalty=2.0, frequency_penalty=2.0, extra={"repetition_penalty": 1.3})
+    assert r.text == penalised
+    # top_k 1 and min_p 1 leave only the most likely token: greedy though sampled hot.
+    hot = dict(temperature=1.5, seed=11)
+    assert complete(**hot).text != plain
+    assert complete(**hot, extra={"top_k": 1}).text == plain
+    assert complete(**hot, extra={"min_p": 1.0}).text == plain
+    # min_tokens holds back an end of sequence the bias makes certain.
+    eos = {"logit_bias": {str(tok.eos_token_id): 100}, "extra": {"ignore_eos": False}}
+    early = complete(**eos)
+    assert early.finish_reason == "stop" and early.text == ""
+    held = client.completions.create(
+        model=served_app.model_id, prompt=prompt, max_tokens=steps, temperature=0,
+        logit_bias={str(tok.eos_token_id): 100}, extra_body={"min_tokens": 4},
+    )
+    assert held.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens == 5 and held.choices[0].text
+
+
 def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     client = served_app.client()
     prompt = list(range(20, 40))
@@ -329,6 +392,9 @@ def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, para
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
         ({"n": TEST_MAX_QUEUE_DEPTH + 1}, "n"),  # more choices than the router's queue holds
+        ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),  # not a token of this vocabulary
+        ({"presence_penalty": 2.5}, "presence_penalty"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
@@ -342,7 +408,7 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
     "path, override, param",
     [
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"frequency_penalty": 0.0, "presence_penalty": 1.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
     ],
 )

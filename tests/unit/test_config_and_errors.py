@@ -96,19 +96,14 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     "base, field, value",
     [
-        (CHAT_REQ, "frequency_penalty", 0.5),
-        (CHAT_REQ, "presence_penalty", -1),
-        (CHAT_REQ, "logit_bias", {"17": 100}),
         (CHAT_REQ, "response_format", {"type": "json_object"}),
         (CHAT_REQ, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT_REQ, "tool_choice", "required"),
-        (CHAT_REQ, "top_k", 5),
-        (CHAT_REQ, "repetition_penalty", 1.2),
-        (CHAT_REQ, "min_tokens", 3),
         (CHAT_REQ, "guided_json", {"type": "object"}),
+        (CHAT_REQ, "stop_token_ids", [2]),
+        (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
-        (COMPLETION_REQ, "frequency_penalty", "0"),  # not a number: not neutral either
     ],
 )
 def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_named(base, field, value):
@@ -131,6 +126,32 @@ def test_neutral_values_and_unknown_fields_pass(base, extra):
     """The defaults that clients send explicitly, and fields that change nothing here."""
     schema = ChatCompletionRequest if "messages" in base else CompletionRequest
     assert schema.model_validate({**base, **extra}).unsupported_field() is None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("top_k", -2),
+        ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"x": 1}), ("logit_bias", {"-3": 1}),
+        ("logit_bias", {"5": 101}), ("logit_bias", {str(i): 1 for i in range(301)}),
+    ],
+)
+def test_out_of_range_extra_sampling_fields_are_named(field, value):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT_REQ, field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_sampling_extras_map_to_the_engines_params():
+    plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
+    assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None}
+    r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
+                                              "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3})
+    extras = r.sampling_extras()
+    assert extras["top_k"] == 0 and extras["logit_bias"] == {7: -100.0, 12: 5.5}
+    assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3
+    assert CompletionRequest.model_validate({**COMPLETION_REQ, "logprobs": 0}).sampling_extras()["logprobs"] == 0
 
 
 def test_api_error_survives_pickling_with_fields():

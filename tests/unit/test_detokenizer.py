@@ -88,3 +88,12 @@ def test_clean_text_before_a_split_character_is_not_delayed():
     assert detok.add_tokens(byte_tokens("ok") + [0xE2]).text == "ok"
     assert detok.add_tokens([0x82]).text == ""
     assert detok.add_tokens([0xAC, ord("!")]).text == "€!"
+
+
+def test_a_stop_string_counts_only_after_min_tokens():
+    """vLLM's rule: stop strings are looked for once the output has more than min_tokens
+    tokens, and text from before then is not searched again."""
+    detok = IncrementalDetokenizer(byte_decode, stop=["X"], min_tokens=3)
+    outs = [detok.add_tokens(byte_tokens(c)) for c in ["a", "X", "b", "cXd"]]
+    assert [o.stop for o in outs] == [None, None, None, "X"]
+    assert detok.text == "aXbc"

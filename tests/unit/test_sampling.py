@@ -2,7 +2,16 @@
 
 import torch
 
-from deployments.compute.engines.sampling import make_generator, sample, sample_one, token_logprobs, top_p_filter
+from deployments.compute.engines.protocol import SamplingParams
+from deployments.compute.engines.sampling import (
+    adjust_logits,
+    adjusts_logits,
+    make_generator,
+    sample,
+    sample_one,
+    token_logprobs,
+    top_p_filter,
+)
 
 
 def random_logits(batch: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -77,3 +86,30 @@ def test_token_logprobs_are_the_raw_log_softmax_of_the_rows_asked_for():
     values, ids = expected[1].topk(3)
     assert top == list(zip(ids.tolist(), values.tolist()))  # most likely first
     assert top3 == []
+
+
+def test_adjust_logits_applies_bias_min_tokens_and_penalties_in_vllms_order():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    params = SamplingParams(max_tokens=9, logit_bias={1: 4.0}, repetition_penalty=2.0,
+                            frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
+    # Prompt [0]; output [3, 3]; token 4 ends sequences.
+    out = adjust_logits(logits, params, [0], [3, 3], stop_ids=[4])
+    # bias: token 1 -> 3.0; min_tokens: 4 -> -inf; repetition on {0, 3} (positive: halved);
+    # then token 3 loses 2 * 0.5 (frequency) + 0.25 (presence).
+    assert out.tolist() == [1.0, 3.0, 0.5, 1.5 - 1.25, float("-inf")]
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # the caller's row is untouched
+    after = adjust_logits(logits, SamplingParams(max_tokens=9, min_tokens=2, repetition_penalty=2.0), [4], [1, 1], [4])
+    assert after.tolist() == [2.0, -2.0, 0.5, 3.0, -4.0]  # min_tokens reached; negative: doubled
+    assert not adjusts_logits(SamplingParams(max_tokens=9, min_tokens=2), 2)
+    assert adjusts_logits(SamplingParams(max_tokens=9, min_tokens=2), 1)
+    assert not adjusts_logits(SamplingParams(max_tokens=9, top_k=3, min_p=0.1), 0)
+
+
+def test_top_k_and_min_p_keep_only_the_likely_tokens():
+    logits = torch.tensor([0.0, 3.0, 2.9, -5.0])
+    draws = lambda **kw: {sample_one(logits, 1.0, 1.0, make_generator(s), **kw) for s in range(200)}  # noqa: E731
+    assert draws() >= {0, 1, 2}
+    assert draws(top_k=1) == {1}
+    assert draws(top_k=2) == {1, 2}
+    # min_p 0.5: p(2) / p(1) = e^-0.1 stays, p(0) / p(1) = e^-3 goes.
+    assert draws(min_p=0.5) == {1, 2}

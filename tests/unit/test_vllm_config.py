@@ -362,3 +362,16 @@ def test_vllm_logprobs_become_the_protocols_entries():
     assert delta_logprobs([9], positions[:1], 0) == [(-3.0, [])]
     with pytest.raises(EngineError):
         delta_logprobs([9, 2], positions[:1], 2)
+
+
+def test_the_further_sampling_controls_reach_vllm_only_when_set():
+    kw = sampling_params_kwargs(SamplingParams(
+        max_tokens=3, top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.2,
+        repetition_penalty=1.1, logit_bias={3: 1.0}, min_tokens=2,
+    ))
+    assert {k: kw[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                               "repetition_penalty", "logit_bias", "min_tokens")} == {
+        "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.2,
+        "repetition_penalty": 1.1, "logit_bias": {3: 1.0}, "min_tokens": 2}
+    plain = sampling_params_kwargs(SamplingParams(max_tokens=3))
+    assert not {"top_k", "min_p", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"} & set(plain)

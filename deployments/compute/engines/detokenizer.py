@@ -31,9 +31,12 @@ class DetokenizerOutput:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
-        """``decode`` turns a list of token ids into text (special tokens already dropped)."""
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0):
+        """``decode`` turns a list of token ids into text (special tokens already dropped).
+        Stop strings are looked for only once more than ``min_tokens`` tokens came (vLLM's
+        rule: text before then is not searched again)."""
         self._decode = decode
+        self._min_tokens = min_tokens
         self._stop = [s for s in stop if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._token_ids: list[int] = []
@@ -89,7 +92,7 @@ class IncrementalDetokenizer:
         # A stop string that ended before the old text's end would have been found then.
         search_from = max(0, len(self._text) - self._max_stop_len + 1)
         self._text += new_text
-        if self._stop:
+        if self._stop and len(self._token_ids) > self._min_tokens:
             hit = self._find_stop(search_from)
             if hit is not None:
                 index, stop = hit

@@ -50,6 +50,16 @@ class SamplingParams:
     # Return each output token's log-probability and this many alternatives
     # (TokenDelta.logprobs); None: none.
     logprobs: Optional[int] = None
+    # What vLLM's SamplingParams mean by the same names. Applied in vLLM's order: logit
+    # bias and min_tokens, then the penalties, to the logits (greedy picks from those);
+    # then temperature, min_p, top_k and top_p to the distribution sampled from.
+    top_k: int = 0  # the k most likely tokens only; 0: all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens in prompt or output
+    logit_bias: Optional[dict[int, float]] = None  # added to those tokens' logits
+    min_tokens: int = 0  # no end of sequence (EOS, stop string) before this many tokens
 
 
 @dataclass(slots=True)
@@ -164,6 +174,21 @@ def validate_request(
         raise RequestRejected(
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", param="logprobs"
         )
+    if params.top_k < 0:
+        raise RequestRejected(f"top_k must be >= 0 (0: no limit), got {params.top_k}", param="top_k")
+    if not 0 <= params.min_p <= 1:
+        raise RequestRejected(f"min_p must be in [0, 1], got {params.min_p}", param="min_p")
+    if params.repetition_penalty <= 0:
+        raise RequestRejected(
+            f"repetition_penalty must be > 0, got {params.repetition_penalty}", param="repetition_penalty"
+        )
+    if params.min_tokens < 0 or params.min_tokens > params.max_tokens:
+        raise RequestRejected(
+            f"min_tokens must be in [0, max_tokens = {params.max_tokens}], got {params.min_tokens}",
+            param="min_tokens",
+        )
+    if params.logit_bias and not all(0 <= t < vocab_size for t in params.logit_bias):
+        raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     try:

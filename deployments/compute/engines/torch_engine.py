@@ -80,7 +80,13 @@ from deployments.compute.engines.protocol import (
     TokenLogprobs,
     validate_request,
 )
-from deployments.compute.engines.sampling import make_generator, sample, token_logprobs
+from deployments.compute.engines.sampling import (
+    adjust_logits,
+    adjusts_logits,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from deployments.compute.engines.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
@@ -511,7 +517,7 @@ class TorchEngine(Engine):
         req = _Request(
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
             request=request,
-            detokenizer=IncrementalDetokenizer(self._decode, params.stop),
+            detokenizer=IncrementalDetokenizer(self._decode, params.stop, params.min_tokens),
             generator=make_generator(params.seed) if params.temperature > 0 else None,
             loop=asyncio.get_running_loop(),
             results=asyncio.Queue(),
@@ -1049,13 +1055,25 @@ class TorchEngine(Engine):
         if hook is not None:
             hook([r.seq.request_id for r in reqs], logits.clone(), phase)
         params = [r.request.sampling for r in reqs]
+        raw = logits  # logprobs are of the model's own distribution
+        for i, (r, p) in enumerate(zip(reqs, params)):
+            if adjusts_logits(p, len(r.seq.output_token_ids)):
+                if logits is raw:
+                    logits = raw.clone()
+                stop_ids = () if p.ignore_eos else self._eos_token_ids
+                logits[i] = adjust_logits(raw[i], p, r.seq.prompt_token_ids, r.seq.output_token_ids, stop_ids)
         token_ids = sample(
-            logits, [p.temperature for p in params], [p.top_p for p in params], [r.generator for r in reqs]
+            logits,
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [r.generator for r in reqs],
+            [p.top_k for p in params],
+            [p.min_p for p in params],
         )
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             found = token_logprobs(
-                logits, wanted, [token_ids[i] for i in wanted], [params[i].logprobs for i in wanted]
+                raw, wanted, [token_ids[i] for i in wanted], [params[i].logprobs for i in wanted]
             )
             for i, entry in zip(wanted, found):
                 reqs[i].pending_logprobs = entry

@@ -211,6 +211,16 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop:
         kwargs["stop"] = list(params.stop)
+    # Passed only when set, so a plain request builds vLLM's defaults.
+    if params.top_k > 0:
+        kwargs["top_k"] = params.top_k
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "min_tokens"):
+        if getattr(params, name):
+            kwargs[name] = getattr(params, name)
+    if params.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = float(params.repetition_penalty)
+    if params.logit_bias:
+        kwargs["logit_bias"] = dict(params.logit_bias)
     if params.logprobs is not None:
         # The sampled token's logprob plus this many of the most likely (vLLM's default
         # logprobs_mode, raw_logprobs: before temperature and top-p, as the torch engine).

@@ -839,6 +839,8 @@ class Ingress:
         span.set_attribute("llm.n", req.n)
         if req.requested_logprobs() is not None:
             span.set_attribute("llm.logprobs", req.requested_logprobs())
+        if req.structured_output() is not None:
+            span.set_attribute("llm.structured_output", req.structured_output()[0])
         streams = [
             _LocalStream(self._router.generate(g, gate=check, session_lookup=early if i == 0 else None))
             for i, g in enumerate(gen_requests)

@@ -7,6 +7,7 @@ OpenAI API does for forward compatibility.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import ClassVar, Literal, Optional, Union
@@ -59,6 +60,73 @@ class _Request(BaseModel):
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
 
+    # Structured output: OpenAI's response_format ({"type": "text" | "json_object" |
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}) or vLLM's
+    # structured_outputs ({"json" | "regex" | "choice" | "json_object": ...}).
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value):
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("json_schema must be an object whose 'schema' is a JSON schema object")
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_outputs(cls, value):
+        if value is None:
+            return value
+        given = [k for k in ("json", "regex", "choice", "json_object") if value.get(k) not in (None, False)]
+        unknown = [k for k in ("grammar", "structural_tag") if value.get(k) is not None]
+        if unknown:
+            raise ValueError(f"'{unknown[0]}' is not supported by this server; use json, regex, choice or json_object")
+        if len(given) != 1:
+            raise ValueError("exactly one of json, regex, choice or json_object must be set")
+        kind = given[0]
+        spec = value[kind]
+        if kind == "json" and not isinstance(spec, (dict, str)):
+            raise ValueError("json must be a JSON schema (an object, or its text)")
+        if kind == "regex" and not (isinstance(spec, str) and spec):
+            raise ValueError("regex must be a non-empty string")
+        if kind == "choice" and not (
+            isinstance(spec, list) and spec and all(isinstance(c, str) and c for c in spec)
+        ):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        if self.structured_outputs and self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("set response_format or structured_outputs, not both")
+        return self
+
+    def structured_output(self) -> Optional[tuple]:
+        """SamplingParams.structured_output of this request (engines/structured.py)."""
+        rf = self.response_format
+        if rf is not None and rf["type"] == "json_object":
+            return ("json_object", None)
+        if rf is not None and rf["type"] == "json_schema":
+            return ("json", schema_text(rf["json_schema"]["schema"]))
+        so = self.structured_outputs
+        if not so:
+            return None
+        if so.get("json") is not None:
+            return ("json", schema_text(so["json"]))
+        if so.get("regex") is not None:
+            return ("regex", so["regex"])
+        if so.get("choice") is not None:
+            return ("choice", list(so["choice"]))
+        return ("json_object", None)
+
     def sampling_extras(self) -> dict:
         """SamplingParams' fields beyond temperature, top_p and the like, as set here."""
         return {
@@ -70,6 +138,7 @@ class _Request(BaseModel):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "min_tokens": self.min_tokens or 0,
             "logprobs": self.requested_logprobs(),
+            "structured_output": self.structured_output(),
         }
 
     @field_validator("stop", mode="before")
@@ -110,6 +179,11 @@ class _Request(BaseModel):
         return None
 
 
+def schema_text(schema) -> str:
+    """A JSON schema as the compact JSON text the engines compile (a text stays as sent)."""
+    return schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+
+
 def _unset(value) -> bool:
     return value is None
 
@@ -137,7 +211,6 @@ _UNSUPPORTED_ANY = {
     "guided_regex": (_unset, "null"),
     "guided_choice": (_unset, "null"),
     "guided_grammar": (_unset, "null"),
-    "structured_outputs": (_unset, "null"),
 }
 
 
@@ -187,7 +260,6 @@ class ChatCompletionRequest(_Request):
         "tool_choice": (_one_of("none", "auto"), '"none" or "auto" without tools'),
         "functions": (_empty, "[]"),
         "function_call": (_one_of("none", "auto"), '"none" or "auto" without functions'),
-        "response_format": (_one_of({"type": "text"}), '{"type": "text"}'),
         "modalities": (_one_of(["text"]), '["text"]'),
         "audio": (_unset, "null"),
         "prediction": (_unset, "null"),

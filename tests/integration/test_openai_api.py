@@ -230,6 +230,75 @@ def test_penalties_bias_top_k_min_p_and_min_tokens_mean_what_vllm_means(served_a
     assert held.usage.completion_tokens == 5 and held.choices[0].text
 
 
+def test_structured_output_holds_the_reply_to_its_grammar(served_app):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs (regex,
+    choice) on either engine: greedy, the reply equals a transformers loop that masks the
+    logits with xgrammar as the engines compile the grammar (compact JSON); sampled, it
+    still parses; a grammar that does not compile is a 400."""
+    import json
+    import re
+
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served_app.model_path)
+    model = AutoModelForCausalLM.from_pretrained(served_app.model_path, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab))
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    prompt = tok.encode("The old lighthouse keeper said")
+
+    def oracle(grammar, steps=40):
+        matcher, mask, ids = xgr.GrammarMatcher(grammar), xgr.allocate_token_bitmask(1, vocab), list(prompt)
+        with torch.inference_mode():
+            while not matcher.is_terminated() and len(ids) - len(prompt) < steps:
+                logits = model(torch.tensor([ids])).logits[0, -1:].float()
+                matcher.fill_next_token_bitmask(mask)
+                xgr.apply_token_bitmask_inplace(logits, mask)
+                ids.append(int(logits.argmax()))
+                assert matcher.accept_token(ids[-1])
+        return tok.decode(ids[len(prompt):], skip_special_tokens=True)
+
+    client = served_app.client()
+    base = dict(model=served_app.model_id, prompt=prompt, max_tokens=40, temperature=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    expected = oracle(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":")))
+    r = client.completions.create(**base, extra_body={"response_format": fmt}).choices[0]
+    assert r.finish_reason == "stop" and r.text == expected
+    value = json.loads(r.text)
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **base, stream=True, extra_body={"response_format": fmt}) if c.choices)
+    assert streamed == expected
+    # Chat, sampled: each of three choices parses and obeys the schema.
+    chat = client.chat.completions.create(model=served_app.model_id, messages=CHAT, max_tokens=40, temperature=1.0,
+                                          seed=3, n=3, response_format=fmt)
+    for choice in chat.choices:
+        value = json.loads(choice.message.content)
+        assert set(value) == {"color", "ok"} and value["color"] in ("red", "green", "blue"), choice.message.content
+    # vLLM's structured_outputs: a regex, and a choice among strings that need escapes.
+    pattern = "[0-9]{3}-[a-z]{2}"
+    r = client.completions.create(**base, extra_body={"structured_outputs": {"regex": pattern}}).choices[0]
+    assert re.fullmatch(pattern, r.text) and r.text == oracle(compiler.compile_regex(pattern))
+    choices = ['say "yes"', "no\tway"]
+    r = client.completions.create(**{**base, "temperature": 1.0, "seed": 1},
+                                  extra_body={"structured_outputs": {"choice": choices}}).choices[0]
+    assert r.text in choices and r.finish_reason == "stop"
+    # Any JSON object: an object as far as the reply goes.
+    r = client.completions.create(**base, extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert r.text.startswith("{")
+    if r.finish_reason == "stop":
+        assert isinstance(json.loads(r.text), dict)
+    bad = post(served_app, "/v1/completions", {**base, "structured_outputs": {"regex": "("}})
+    assert_openai_error(bad, 400)
+
+
 def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     client = served_app.client()
     prompt = list(range(20, 40))
@@ -407,7 +476,7 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
 @pytest.mark.parametrize(
     "path, override, param",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"stop_token_ids": [3]}, "stop_token_ids"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
     ],

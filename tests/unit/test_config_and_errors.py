@@ -96,7 +96,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     "base, field, value",
     [
-        (CHAT_REQ, "response_format", {"type": "json_object"}),
         (CHAT_REQ, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT_REQ, "tool_choice", "required"),
         (CHAT_REQ, "guided_json", {"type": "object"}),
@@ -117,7 +116,7 @@ def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_named(ba
     "base, extra",
     [
         (CHAT_REQ, {"logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0,
-                    "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                    "logit_bias": {}, "tools": [], "tool_choice": "none",
                     "top_k": -1, "repetition_penalty": 1.0, "min_p": 0, "metadata": {"a": "b"}, "store": False}),
         (COMPLETION_REQ, {"logprobs": None, "best_of": 1, "suffix": "", "logit_bias": None, "user": "u"}),
     ],
@@ -145,13 +144,52 @@ def test_out_of_range_extra_sampling_fields_are_named(field, value):
 def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                     "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None}
+                     "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
+                     "structured_output": None}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
                                               "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3})
     extras = r.sampling_extras()
     assert extras["top_k"] == 0 and extras["logit_bias"] == {7: -100.0, 12: 5.5}
     assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3
     assert CompletionRequest.model_validate({**COMPLETION_REQ, "logprobs": 0}).sampling_extras()["logprobs"] == 0
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("json_object", None)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+         ("json", '{"type":"integer"}')),
+        ({"structured_outputs": {"json": '{"type": "boolean"}'}}, ("json", '{"type": "boolean"}')),
+        ({"structured_outputs": {"regex": "[ab]+"}}, ("regex", "[ab]+")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", ["yes", "no"])),
+        ({"structured_outputs": {"json_object": True}}, ("json_object", None)),
+    ],
+)
+def test_structured_output_requests_map_to_one_constraint(fields, expected):
+    assert ChatCompletionRequest.model_validate({**CHAT_REQ, **fields}).structured_output() == expected
+    assert CompletionRequest.model_validate({**COMPLETION_REQ, **fields}).structured_output() == expected
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}}, "response_format"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
+    ],
+)
+def test_malformed_structured_output_is_named(fields, field):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT_REQ, **fields})
+    loc = e.value.errors()[0]["loc"]
+    assert (loc[0] if loc else None) == field
 
 
 def test_api_error_survives_pickling_with_fields():

@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens in prompt or output
     logit_bias: Optional[dict[int, float]] = None  # added to those tokens' logits
     min_tokens: int = 0  # no end of sequence (EOS, stop string) before this many tokens
+    # Hold the reply to a grammar (engines/structured.py): ("json", schema text),
+    # ("json_object", None), ("regex", pattern) or ("choice", [strings]).
+    structured_output: Optional[tuple[str, Any]] = None
 
 
 @dataclass(slots=True)
@@ -187,6 +190,9 @@ def validate_request(
             f"min_tokens must be in [0, max_tokens = {params.max_tokens}], got {params.min_tokens}",
             param="min_tokens",
         )
+    if params.structured_output is not None and params.min_tokens:
+        # The grammar may allow nothing but the end of sequence that min_tokens rules out.
+        raise RequestRejected("min_tokens cannot be combined with structured output", param="min_tokens")
     if params.logit_bias and not all(0 <= t < vocab_size for t in params.logit_bias):
         raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:

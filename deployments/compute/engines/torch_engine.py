@@ -88,6 +88,7 @@ from deployments.compute.engines.sampling import (
     token_logprobs,
 )
 from deployments.compute.engines.scheduler import Scheduler, Sequence
+from deployments.compute.engines.structured import Constraint, GrammarCompiler
 
 logger = logging.getLogger("ray.serve")  # the replica's Serve log (a module logger had no handler: INFO lines were lost)
 
@@ -159,6 +160,8 @@ class _Request:
     pending_token_id: int = -1
     # That token's logprobs, when the request asked for them.
     pending_logprobs: Optional[TokenLogprobs] = None
+    # The grammar the reply is held to (structured output), if any.
+    constraint: Optional[Constraint] = None
     done: bool = False
     # Imported K/V of the first P prompt tokens, [layers, 2, kv_heads, P, head_dim] on CPU;
     # dropped once prefilled.
@@ -281,6 +284,8 @@ class TorchEngine(Engine):
         self._hf_cache = self.model_impl == "transformers"
         self.model = None
         self._loop_tokenizer = None
+        # Structured output's grammar compiler, made at the first request that needs one.
+        self._grammar: Optional[GrammarCompiler] = None
 
         self._scheduler = Scheduler(max_num_seqs, self.max_model_len)
         self._batch = _Batch()
@@ -511,9 +516,28 @@ class TorchEngine(Engine):
     def _decode(self, token_ids: list[int]) -> str:
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    async def _constraint(self, params) -> Constraint:
+        """The compiled grammar of a request's structured output (RequestRejected: 400)."""
+        kind, spec = params.structured_output
+        if self._grammar is None:
+            self._grammar = await asyncio.to_thread(
+                GrammarCompiler.for_checkpoint, self.model_path, self.config.vocab_size
+            )
+        started = time.perf_counter()
+        try:
+            compiled = await asyncio.to_thread(self._grammar.compile, kind, spec)
+        except ValueError as e:
+            logger.info("structured output refused: %s", e)
+            raise RequestRejected(str(e), param="response_format") from None
+        took = time.perf_counter() - started
+        if took > 0.1:  # repeats come from xgrammar's cache
+            logger.info("compiled a %s grammar in %.0f ms", kind, 1000 * took)
+        return self._grammar.constraint(compiled)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         self._validate(request)
         params = request.sampling
+        constraint = await self._constraint(params) if params.structured_output else None
         req = _Request(
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
             request=request,
@@ -521,6 +545,7 @@ class TorchEngine(Engine):
             generator=make_generator(params.seed) if params.temperature > 0 else None,
             loop=asyncio.get_running_loop(),
             results=asyncio.Queue(),
+            constraint=constraint,
         )
         self._check_alive()
         # Claimed before the (awaiting) prefix fetch, so a duplicate id is still refused.
@@ -1062,6 +1087,10 @@ class TorchEngine(Engine):
                     logits = raw.clone()
                 stop_ids = () if p.ignore_eos else self._eos_token_ids
                 logits[i] = adjust_logits(raw[i], p, r.seq.prompt_token_ids, r.seq.output_token_ids, stop_ids)
+            if r.constraint is not None:
+                if logits is raw:
+                    logits = raw.clone()
+                r.constraint.mask(logits[i : i + 1])
         token_ids = sample(
             logits,
             [p.temperature for p in params],
@@ -1080,6 +1109,9 @@ class TorchEngine(Engine):
         for r, token_id in zip(reqs, token_ids):
             r.pending_token_id = token_id
             self._scheduler.append_token(r.seq, token_id)
+            if r.constraint is not None and not r.constraint.accept(token_id):
+                # Only when every token was masked (nothing the grammar allows was left).
+                logger.warning("request %s: token %d is outside its grammar", r.seq.request_id, token_id)
         self._num_generated_tokens += len(reqs)
 
     def _merge(self, part: _Batch) -> None:
@@ -1127,7 +1159,9 @@ class TorchEngine(Engine):
         seq, params = req.seq, req.request.sampling
         token_id = seq.output_token_ids[-1]
         finish = None
-        if not params.ignore_eos and token_id in self._eos_token_ids:
+        grammar_done = req.constraint is not None and req.constraint.terminated
+        if grammar_done or (not params.ignore_eos and token_id in self._eos_token_ids):
+            # A complete grammar ends on the end-of-sequence token it accepted last.
             text, finish = req.detokenizer.flush(), "stop"
         else:
             out = req.detokenizer.add_tokens([token_id])

@@ -153,6 +153,10 @@ def engine_args_kwargs(
         # vLLM's default loggers (a log line every few seconds, its own Prometheus
         # registry) stay off; the engine installs its own stat logger for stats().
         "disable_log_stats": True,
+        # Structured output held to the grammars the torch engine uses
+        # (engines/structured.py): xgrammar, JSON without free whitespace. A dict here;
+        # VLLMEngine.start makes the StructuredOutputsConfig.
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     }
     if options.tensor_parallel_size * options.pipeline_parallel_size > 1:
         # Shard workers go into the replica's placement group (see placement_options in
@@ -221,6 +225,10 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         kwargs["repetition_penalty"] = float(params.repetition_penalty)
     if params.logit_bias:
         kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.structured_output is not None:
+        # A dict here; generate() makes vLLM's StructuredOutputsParams of it.
+        kind, spec = params.structured_output
+        kwargs["structured_outputs"] = {kind: True if kind == "json_object" else spec}
     if params.logprobs is not None:
         # The sampled token's logprob plus this many of the most likely (vLLM's default
         # logprobs_mode, raw_logprobs: before temperature and top-p, as the torch engine).
@@ -364,7 +372,7 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError as VEngineDeadError
 
@@ -374,6 +382,7 @@ class VLLMEngine(Engine):
             VLLMClientError = ValueError  # noqa: N806
         self._vllm = {
             "SamplingParams": VSamplingParams,
+            "StructuredOutputsParams": StructuredOutputsParams,
             "TokensPrompt": TokensPrompt,
             "DELTA": RequestOutputKind.DELTA,
             "EngineDeadError": VEngineDeadError,
@@ -385,6 +394,12 @@ class VLLMEngine(Engine):
             from vllm.config import KVTransferConfig
 
             engine_kwargs["kv_transfer_config"] = KVTransferConfig(**engine_kwargs["kv_transfer_config"])
+        if isinstance(engine_kwargs.get("structured_outputs_config"), dict):
+            from vllm.config import StructuredOutputsConfig
+
+            engine_kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+                **engine_kwargs["structured_outputs_config"]
+            )
         args = AsyncEngineArgs(**engine_kwargs)
         for name, value in cpu_reserved_cores_env(self.engine_kwargs, on_cpu=_on_cpu()).items():
             # Read by the EngineCore and its worker, which inherit this environment.
@@ -529,9 +544,10 @@ class VLLMEngine(Engine):
             raise EngineDeadError("vLLM EngineCore is dead")
         v = self._vllm
         extra = {"kv_transfer_params": kv_transfer_params(request)} if self.kv_connected else None
-        params = v["SamplingParams"](
-            **sampling_params_kwargs(request.sampling), output_kind=v["DELTA"], extra_args=extra
-        )
+        kwargs = sampling_params_kwargs(request.sampling)
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = v["StructuredOutputsParams"](**kwargs["structured_outputs"])
+        params = v["SamplingParams"](**kwargs, output_kind=v["DELTA"], extra_args=extra)
         prompt = v["TokensPrompt"](prompt_token_ids=list(request.prompt_token_ids))
         num_prompt = len(request.prompt_token_ids)
         num_output = 0

@@ -45,6 +45,7 @@ class _Request(BaseModel):
     top_k: Optional[int] = Field(default=None, ge=-1)  # -1 or 0: no limit
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_tokens: Optional[int] = Field(default=None, ge=0)
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
 
     @field_validator("logit_bias")
     @classmethod
@@ -137,6 +138,7 @@ class _Request(BaseModel):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "min_tokens": self.min_tokens or 0,
+            "stop_token_ids": list(self.stop_token_ids or ()),
             "logprobs": self.requested_logprobs(),
             "structured_output": self.structured_output(),
         }
@@ -204,7 +206,6 @@ def _one_of(*allowed):
 # per request and that no engine here applies yet: name -> (is the value neutral, what is
 # accepted, for the message).
 _UNSUPPORTED_ANY = {
-    "stop_token_ids": (_empty, "[]"),
     "use_beam_search": (_false, "false"),
     "prompt_logprobs": (_unset, "null"),
     "guided_json": (_unset, "null"),

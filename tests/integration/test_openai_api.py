@@ -228,6 +228,16 @@ def test_penalties_bias_top_k_min_p_and_min_tokens_mean_what_vllm_means(served_a
     )
     assert held.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens == 5 and held.choices[0].text
+    # stop_token_ids: the reply ends at the first of them, counted but not in the text.
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=steps, min_new_tokens=steps)
+    generated = out[0, len(prompt):].tolist()
+    at = next(i for i in range(1, steps) if generated[i] not in generated[:i])
+    r = client.completions.create(model=served_app.model_id, prompt=prompt, max_tokens=steps, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [generated[at]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == at + 1
+    assert r.choices[0].text == tok.decode(generated[:at])
 
 
 def test_structured_output_holds_the_reply_to_its_grammar(served_app):
@@ -476,7 +486,7 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
 @pytest.mark.parametrize(
     "path, override, param",
     [
-        ("/v1/chat/completions", {"stop_token_ids": [3]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
     ],

@@ -99,7 +99,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
         (CHAT_REQ, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT_REQ, "tool_choice", "required"),
         (CHAT_REQ, "guided_json", {"type": "object"}),
-        (CHAT_REQ, "stop_token_ids", [2]),
         (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
@@ -145,7 +144,7 @@ def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                      "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
-                     "structured_output": None}
+                     "structured_output": None, "stop_token_ids": []}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
                                               "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3})
     extras = r.sampling_extras()

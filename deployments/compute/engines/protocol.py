@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens in prompt or output
     logit_bias: Optional[dict[int, float]] = None  # added to those tokens' logits
     min_tokens: int = 0  # no end of sequence (EOS, stop string) before this many tokens
+    # Tokens that end the reply like EOS (finish "stop", the token counted as output but
+    # its text left out, as vLLM's stop_token_ids with include_stop_str_in_output off).
+    stop_token_ids: list[int] = field(default_factory=list)
     # Hold the reply to a grammar (engines/structured.py): ("json", schema text),
     # ("json_object", None), ("regex", pattern) or ("choice", [strings]).
     structured_output: Optional[tuple[str, Any]] = None
@@ -193,6 +196,8 @@ def validate_request(
     if params.structured_output is not None and params.min_tokens:
         # The grammar may allow nothing but the end of sequence that min_tokens rules out.
         raise RequestRejected("min_tokens cannot be combined with structured output", param="min_tokens")
+    if params.stop_token_ids and not all(0 <= t < vocab_size for t in params.stop_token_ids):
+        raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     if params.logit_bias and not all(0 <= t < vocab_size for t in params.logit_bias):
         raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:

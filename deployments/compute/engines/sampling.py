@@ -110,7 +110,7 @@ def adjust_logits(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype))
-    if len(output_ids) < params.min_tokens and stop_ids:
+    if len(output_ids) < params.min_tokens and stop_ids:  # EOS and stop_token_ids
         logits[list(stop_ids)] = float("-inf")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]

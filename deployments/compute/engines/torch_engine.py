@@ -1085,7 +1085,7 @@ class TorchEngine(Engine):
             if adjusts_logits(p, len(r.seq.output_token_ids)):
                 if logits is raw:
                     logits = raw.clone()
-                stop_ids = () if p.ignore_eos else self._eos_token_ids
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_token_ids)
                 logits[i] = adjust_logits(raw[i], p, r.seq.prompt_token_ids, r.seq.output_token_ids, stop_ids)
             if r.constraint is not None:
                 if logits is raw:
@@ -1160,8 +1160,14 @@ class TorchEngine(Engine):
         token_id = seq.output_token_ids[-1]
         finish = None
         grammar_done = req.constraint is not None and req.constraint.terminated
-        if grammar_done or (not params.ignore_eos and token_id in self._eos_token_ids):
-            # A complete grammar ends on the end-of-sequence token it accepted last.
+        if (
+            grammar_done
+            or (not params.ignore_eos and token_id in self._eos_token_ids)
+            or token_id in params.stop_token_ids
+        ):
+            # The token that ended the reply stays out of its text, as vLLM leaves it out
+            # (with include_stop_str_in_output off); a complete grammar ends on the
+            # end-of-sequence token it accepted last.
             text, finish = req.detokenizer.flush(), "stop"
         else:
             out = req.detokenizer.add_tokens([token_id])

@@ -225,6 +225,8 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         kwargs["repetition_penalty"] = float(params.repetition_penalty)
     if params.logit_bias:
         kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.structured_output is not None:
         # A dict here; generate() makes vLLM's StructuredOutputsParams of it.
         kind, spec = params.structured_output

@@ -213,6 +213,30 @@ async def test_bad_parameters_are_rejected(engine):
 
 
 @pytest.mark.asyncio
+async def test_a_grammar_that_compiles_too_long_is_refused_and_the_engine_goes_on(engine, monkeypatch):
+    import time
+
+    import deployments.compute.engines.torch_engine as torch_engine
+
+    ids = encode(engine, PROMPTS[0])
+    # The compiler exists after a first structured request.
+    await collect(engine, make_request("first", ids, max_tokens=4, structured_output=("choice", ["a", "b"])))
+    slow_compile = engine._grammar.compile
+
+    def slow(kind, spec):
+        time.sleep(0.5)
+        return slow_compile(kind, spec)
+
+    monkeypatch.setattr(engine._grammar, "compile", slow)
+    monkeypatch.setattr(torch_engine, "GRAMMAR_COMPILE_TIMEOUT_S", 0.05)
+    with pytest.raises(RequestRejected, match="took over") as exc:
+        await collect(engine, make_request("slow", ids, structured_output=("regex", "[0-9]+")))
+    assert exc.value.param == "response_format"
+    _, tokens, _ = await collect(engine, make_request("after", ids, max_tokens=3, ignore_eos=True))
+    assert len(tokens) == 3
+
+
+@pytest.mark.asyncio
 async def test_shutdown_ends_in_flight_requests_with_an_error(engine):
     stream = engine.generate(make_request("inflight", encode(engine, PROMPTS[1]), max_tokens=1500, ignore_eos=True))
     await stream.__anext__()

@@ -100,6 +100,10 @@ _DECODE_INLINE_MAX_BYTES = 256 * 1024
 
 # After this many recomputed hits in a row on one tier, fetch once to re-measure it.
 _EXPLORE_EVERY_SKIPS = 4
+# How long a structured-output grammar may take to compile before the request is refused
+# (vLLM's VLLM_REGEX_COMPILATION_TIMEOUT_S, for its regexes, is of this order).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
 # Tokens of the throwaway forward pass that start() runs (_warm_kernels).
 WARM_UP_TOKENS = 32
 
@@ -525,10 +529,15 @@ class TorchEngine(Engine):
             )
         started = time.perf_counter()
         try:
-            compiled = await asyncio.to_thread(self._grammar.compile, kind, spec)
-        except ValueError as e:
-            logger.info("structured output refused: %s", e)
-            raise RequestRejected(str(e), param="response_format") from None
+            compiled = await asyncio.wait_for(
+                asyncio.to_thread(self._grammar.compile, kind, spec), GRAMMAR_COMPILE_TIMEOUT_S
+            )
+        except (ValueError, asyncio.TimeoutError) as e:
+            # A grammar past the bound (a pathological pattern) is refused as vLLM refuses
+            # one; its thread runs on to the end, which nothing can cut short.
+            reason = str(e) or f"the {kind} constraint took over {GRAMMAR_COMPILE_TIMEOUT_S:.0f} s to compile"
+            logger.info("structured output refused: %s", reason)
+            raise RequestRejected(reason, param="response_format") from None
         took = time.perf_counter() - started
         if took > 0.1:  # repeats come from xgrammar's cache
             logger.info("compiled a %s grammar in %.0f ms", kind, 1000 * took)

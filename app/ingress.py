@@ -222,6 +222,26 @@ def chat_logprob(token_text, token_id: int, logprob: float, top: list) -> dict:
     return {**entry(token_id, logprob), "top_logprobs": [entry(i, v) for i, v in top]}
 
 
+def tool_reply(mode: str, function: Optional[str], text: str, finish: str) -> tuple[Optional[str], list[dict], str]:
+    """(content, tool_calls, finish_reason) of a chat choice whose reply was held to a
+    tool call's schema (``ChatCompletionRequest.tool_schema``). A named function's reply
+    is its arguments (finish ``stop``, as OpenAI gives a forced call); "required"'s is a
+    list of {name, parameters} (finish ``tool_calls``). A reply cut short (``length``)
+    that does not parse stays text."""
+    if mode == "named":
+        return None, [_tool_call(function, text)], finish
+    try:
+        calls = json.loads(text)
+        tool_calls = [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+    except (ValueError, TypeError, KeyError):
+        return text, [], finish
+    return None, tool_calls, "tool_calls" if finish == "stop" else finish
+
+
+def _tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 class _Call:
     """Bookkeeping of one generation call: timings, tokens, and the final record."""
 
@@ -387,6 +407,9 @@ class Ingress:
             msg = first["msg"].removeprefix("Value error, ")
             where = f"'{param}'" if param else "request"
             raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
+        problem = req.tool_problem() if isinstance(req, ChatCompletionRequest) else None
+        if problem is not None:
+            raise InvalidRequestError(problem, param="tool_choice")
         unsupported = req.unsupported_field()
         if unsupported is not None:
             name, accepted = unsupported
@@ -451,12 +474,18 @@ class Ingress:
             trace_headers=telemetry.inject_context(),
         )
 
-    def _chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         if any(TOKEN_IDS_KEY in m for m in messages):
             return exact_prompt_ids(self._tokenizer, messages)
-        text = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - jinja's errors: the messages do not fit the template
+            if not tools and not any("tool_calls" in m for m in messages):
+                raise
+            raise InvalidRequestError(f"The chat template cannot render these tools or tool calls: {e}",
+                                      param="messages") from None
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _start_session_read(self, schema, request: Request) -> Optional[asyncio.Task]:
@@ -509,11 +538,19 @@ class Ingress:
         newer record, the prompt is built again from it (see ``_serve``)."""
         try:
             new_messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            # The calls an assistant made and the answers to them, as templates take them.
+            tool_fields = [m.tool_fields() for m in req.messages]
         except ValueError as e:
             raise InvalidRequestError(str(e), param="messages") from None
         session_id = _named_session(request, req)
         if session_id is None:
-            return self._chat_prompt_ids(new_messages), None, None
+            for message, fields in zip(new_messages, tool_fields):
+                message.update(fields)
+            return self._chat_prompt_ids(new_messages, req.tools), None, None
+        if req.tools or any(tool_fields):
+            raise InvalidRequestError(
+                "Tools and tool calls are not supported in a session turn yet; send the "
+                "conversation without a session.", param="tools" if req.tools else "messages")
         if self._sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):
@@ -877,14 +914,22 @@ class Ingress:
         self._record(calls, 200)
         chat = isinstance(req, ChatCompletionRequest)
         choices = []
+        tool_mode = req.tool_call_mode() if chat else None
         for i, (c, text) in enumerate(zip(calls, texts)):
             if chat:
+                message = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if tool_mode:
+                    content, tool_calls, finish = tool_reply(tool_mode, req.called_function(), text, finish)
+                    message = {"role": "assistant", "content": content}
+                    if tool_calls:
+                        message["tool_calls"] = tool_calls
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": self._logprobs_json(chat, c.logprob_items)[0],
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                     }
                 )
             else:
@@ -917,7 +962,9 @@ class Ingress:
         carried: list[list] = [[] for _ in calls]
         offsets = [0] * len(calls)
 
-        def chunk(index: int, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
+        def chunk(
+            index: int, text: Optional[str], finish: Optional[str], role: bool = False, tool_calls=None
+        ) -> bytes:
             logprobs = None
             if want_logprobs and not role:
                 logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index])
@@ -926,6 +973,8 @@ class Ingress:
                 delta = {"role": "assistant", "content": text or ""} if role else (
                     {"content": text} if text else {}
                 )
+                if tool_calls:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tool_calls)]
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -933,6 +982,19 @@ class Ingress:
             if include_usage:
                 payload["usage"] = None
             return _sse(payload)
+
+        # A reply held to a tool call goes out whole, as tool_calls, when its choice ends.
+        tool_mode = req.tool_call_mode() if chat else None
+        texts: list[list[str]] = [[] for _ in calls]
+
+        def chunks(index: int, text: str, finish: Optional[str]) -> list[bytes]:
+            if not tool_mode:
+                return [chunk(index, text, finish)] if text or finish else []
+            texts[index].append(text)
+            if finish is None:
+                return []
+            content, tool_calls, reason = tool_reply(tool_mode, req.called_function(), "".join(texts[index]), finish)
+            return [chunk(index, content, None, tool_calls=tool_calls), chunk(index, None, reason)]
 
         status = 200
         tasks: list[asyncio.Future] = []
@@ -951,8 +1013,8 @@ class Ingress:
                         # The turn is stored before the final chunk, so a client that saw
                         # finish_reason knows its turn is in the session (or gets the 409).
                         await self._commit_turn(call, "".join(parts))
-                    if delta.text or delta.finish_reason:
-                        yield chunk(0, delta.text, delta.finish_reason)
+                    for c in chunks(0, delta.text, delta.finish_reason):
+                        yield c
                     if delta.finish_reason is not None:
                         break
                     delta = await self._next(stream)
@@ -977,8 +1039,8 @@ class Ingress:
                         yield chunk(i, "", None, role=True)
                     if want_logprobs and first.logprobs:
                         carried[i].extend(zip(first.token_ids, first.logprobs))
-                    if first.text or first.finish_reason:
-                        yield chunk(i, first.text, first.finish_reason)
+                    for c in chunks(i, first.text, first.finish_reason):
+                        yield c
                 open_choices = sum(1 for f in firsts if f.finish_reason is None)
                 tasks = [asyncio.ensure_future(read(i)) for i, f in enumerate(firsts) if f.finish_reason is None]
                 while open_choices:
@@ -987,8 +1049,8 @@ class Ingress:
                         raise item
                     if want_logprobs and item.logprobs:
                         carried[i].extend(zip(item.token_ids, item.logprobs))
-                    if item.text or item.finish_reason:
-                        yield chunk(i, item.text, item.finish_reason)
+                    for c in chunks(i, item.text, item.finish_reason):
+                        yield c
                     if item.finish_reason is not None:
                         open_choices -= 1
             if include_usage:

@@ -8,6 +8,7 @@ OpenAI API does for forward compatibility.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import ClassVar, Literal, Optional, Union
@@ -18,6 +19,9 @@ from deployments.compute.engines.protocol import MAX_LOGPROBS
 
 # OpenAI's limit on the entries of logit_bias.
 MAX_LOGIT_BIAS_TOKENS = 300
+# OpenAI's limit on the tools of a request, and the form of a function's name.
+MAX_TOOLS = 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class _Request(BaseModel):
@@ -225,6 +229,30 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
 
+    def tool_fields(self) -> dict:
+        """An assistant's ``tool_calls`` (arguments as objects, as chat templates take
+        them) or a tool message's ``tool_call_id`` and ``name``; {} for other messages."""
+        extra = self.model_extra or {}
+        if self.role == "assistant" and extra.get("tool_calls"):
+            calls = extra["tool_calls"]
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            ):
+                raise ValueError("tool_calls must be a list of {'id', 'type', 'function': {'name', 'arguments'}}")
+            out = []
+            for call in calls:
+                fn = dict(call["function"])
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # left as sent
+                out.append({**call, "function": fn})
+            return {"tool_calls": out}
+        if self.role == "tool":
+            return {k: extra[k] for k in ("tool_call_id", "name") if isinstance(extra.get(k), str)}
+        return {}
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -256,9 +284,105 @@ class ChatCompletionRequest(_Request):
     def requested_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    # Function calling. The reply is held to the arguments' JSON schema (a named
+    # function) or to vLLM's schema of a list of calls ("required"), the way vLLM serves
+    # those two without a model-specific parser; "auto" needs such a parser (the model
+    # decides whether to call, in its own format), which this server does not have.
+    tools: Optional[list[dict]] = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value):
+        names = set()
+        for i, tool in enumerate(value or ()):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or tool.get("type") != "function":
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+                raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'")
+            if name in names:
+                raise ValueError(f"two tools are named {name!r}")
+            names.add(name)
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        return value or None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value):
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        fn = value.get("function") if isinstance(value, dict) else None
+        if isinstance(fn, dict) and value.get("type") == "function" and isinstance(fn.get("name"), str):
+            return value
+        raise ValueError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
+
+    def tool_problem(self) -> Optional[str]:
+        """Why this request's tool_choice cannot be served (a 400 naming tool_choice)."""
+        choice, tools = self.tool_choice, self.tools
+        named = choice if isinstance(choice, dict) else None
+        if not tools:
+            return None if choice in (None, "none", "auto") else "tool_choice needs tools"
+        if choice in (None, "auto"):
+            return (
+                "tool_choice 'auto' (the default with tools) needs a tool-call parser for this "
+                "model, which this server does not have; send 'required', name a function "
+                "({'type': 'function', 'function': {'name': ...}}) or 'none'"
+            )
+        if named and named["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            return f"tool_choice names {named['function']['name']!r}, which is not among the tools"
+        if choice != "none" and (self.structured_outputs or (self.response_format or {}).get("type", "text") != "text"):
+            return "a tool_choice that calls a tool cannot be combined with response_format or structured_outputs"
+        return None
+
+    def tool_call_mode(self) -> Optional[str]:
+        """"named" or "required" when the reply is a tool call, else None."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else "named"
+
+    def called_function(self) -> Optional[str]:
+        return self.tool_choice["function"]["name"] if self.tool_call_mode() == "named" else None
+
+    def tool_schema(self) -> Optional[dict]:
+        """The JSON schema the reply is held to when it is a tool call (vLLM's
+        ``get_json_schema_from_tools``)."""
+        mode = self.tool_call_mode()
+        if mode is None:
+            return None
+        params = {t["function"]["name"]: t["function"].get("parameters") for t in self.tools}
+        if mode == "named":
+            return params[self.called_function()] or {"type": "object", "properties": {}}
+        defs: dict = {}
+        options = []
+        for name, schema in params.items():
+            if schema:
+                schema = dict(schema)
+                defs.update(schema.pop("$defs", None) or {})
+            options.append({
+                "properties": {
+                    "name": {"type": "string", "enum": [name]},
+                    "parameters": schema or {"type": "object", "properties": {}},
+                },
+                "required": ["name", "parameters"],
+            })
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return schema
+
+    def structured_output(self) -> Optional[tuple]:
+        schema = self.tool_schema()
+        return ("json", schema_text(schema)) if schema is not None else super().structured_output()
+
     _UNSUPPORTED: ClassVar[dict] = {
-        "tools": (_empty, "[]"),
-        "tool_choice": (_one_of("none", "auto"), '"none" or "auto" without tools'),
         "functions": (_empty, "[]"),
         "function_call": (_one_of("none", "auto"), '"none" or "auto" without functions'),
         "modalities": (_one_of(["text"]), '["text"]'),

@@ -309,6 +309,56 @@ def test_structured_output_holds_the_reply_to_its_grammar(served_app):
     assert_openai_error(bad, 400)
 
 
+def test_function_calling_with_a_named_function_or_required(served_app):
+    """tool_choice naming a function, or "required": the reply is a tool call whose
+    arguments fit the function's schema, whole or streamed; "auto" is a 400 that says
+    why; a conversation that carries earlier calls and their results goes on."""
+    import json
+
+    client = served_app.client()
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                        "unit": {"enum": ["C", "F"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(model=served_app.model_id, messages=CHAT, max_tokens=60, temperature=0, tools=[weather, clock])
+
+    named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F") and set(args) == {"city", "unit"}
+    # Streamed: the same call, assembled from the chunks' tool_calls.
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    streamed = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather", call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+    required = client.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    made = choice.message.tool_calls[0].function
+    assert made.name in ("get_weather", "get_time") and isinstance(json.loads(made.arguments), dict)
+
+    r = post(served_app, "/v1/chat/completions", {**kw, "messages": CHAT})
+    err = assert_openai_error(r, 400, "tool_choice")
+    assert "auto" in err["message"]
+
+    # The call and its result in the history: the template renders them, the reply comes.
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'},
+    ]
+    r = client.chat.completions.create(model=served_app.model_id, messages=history, max_tokens=5, tools=[weather],
+                                       tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
 def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     client = served_app.client()
     prompt = list(range(20, 40))
@@ -487,7 +537,7 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
     "path, override, param",
     [
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
     ],
 )

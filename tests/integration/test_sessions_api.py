@@ -66,6 +66,21 @@ def test_n_above_one_in_a_session_turn_is_400_and_appends_nothing(served_app):
     assert get_session(served_app, sid).json()["version"] == 0
 
 
+def test_tools_in_a_session_turn_are_400_and_append_nothing(served_app):
+    sid = new_session(served_app)["id"]
+    tool = {"type": "function", "function": {"name": "f"}}
+    for extra, param in [
+        ({"tools": [tool], "tool_choice": "required"}, "tools"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    ]:
+        body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "call it"}], **extra}
+        r = httpx.post(served_app.base_url + "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "session" in r.json()["error"]["message"]
+    assert get_session(served_app, sid).json()["version"] == 0
+
+
 def stored_record(served_app, sid):
     """The DataPlane's own record (with the reply token ids the API never shows)."""
     from ray import serve

@@ -96,8 +96,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     "base, field, value",
     [
-        (CHAT_REQ, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT_REQ, "tool_choice", "required"),
         (CHAT_REQ, "guided_json", {"type": "object"}),
         (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
@@ -189,6 +187,60 @@ def test_malformed_structured_output_is_named(fields, field):
         ChatCompletionRequest.model_validate({**CHAT_REQ, **fields})
     loc = e.value.errors()[0]["loc"]
     assert (loc[0] if loc else None) == field
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}, "required": ["city"],
+    "$defs": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"tools": [WEATHER]}, "needs a tool-call parser"),  # "auto", the default with tools
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "needs a tool-call parser"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+        ({"tools": [WEATHER], "tool_choice": "none"}, None),
+        ({"tools": [WEATHER, NOOP], "tool_choice": "required"}, None),
+        ({"tool_choice": "auto"}, None),
+    ],
+)
+def test_a_tool_choice_this_server_cannot_serve_is_explained(fields, problem):
+    found = ChatCompletionRequest.model_validate({**CHAT_REQ, **fields}).tool_problem()
+    assert (problem is None and found is None) or (problem in found)
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [[{"type": "function"}], [{"type": "function", "function": {"name": "has space"}}], [NOOP, NOOP],
+     [{"type": "function", "function": {"name": "f", "parameters": "x"}}], [{"type": "retrieval"}]],
+)
+def test_malformed_tools_are_named(tools):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT_REQ, "tools": tools})
+    assert e.value.errors()[0]["loc"][0] == "tools"
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_the_schema_of_a_required_tool_call_is_vllms(parallel):
+    """The reply of tool_choice "required" is held to what vLLM holds it to."""
+    utils = pytest.importorskip("vllm.tool_parsers.utils")
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    import copy
+
+    tools = [WEATHER, NOOP]
+    r = ChatCompletionRequest.model_validate(
+        {**CHAT_REQ, "tools": copy.deepcopy(tools), "tool_choice": "required", "parallel_tool_calls": parallel})
+    theirs = utils.get_json_schema_from_tools(
+        "required", [protocol.ChatCompletionToolsParam(**copy.deepcopy(t)) for t in tools], parallel)
+    assert r.tool_schema() == theirs
+    named = ChatCompletionRequest.model_validate(
+        {**CHAT_REQ, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "noop"}}})
+    assert named.tool_schema() == {"type": "object", "properties": {}} and named.called_function() == "noop"
+    assert r.structured_output()[0] == "json"
 
 
 def test_api_error_survives_pickling_with_fields():

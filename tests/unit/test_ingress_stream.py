@@ -231,3 +231,37 @@ async def test_a_reply_sent_whole_carries_every_tokens_logprobs():
     assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
         {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.5, "bytes": [98]}]}
     assert ing._logprobs_json(True, None) == (None, 0)
+
+
+def test_a_tool_call_reply_becomes_tool_calls():
+    from app.ingress import tool_reply
+
+    content, calls, finish = tool_reply("named", "get_weather", '{"city":"Oslo"}', "stop")
+    assert content is None and finish == "stop"
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
+    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"noop","parameters":{}}]'
+    content, calls, finish = tool_reply("required", None, text, "stop")
+    assert content is None and finish == "tool_calls"
+    assert [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "noop", "arguments": "{}"}]
+    assert len({c["id"] for c in calls}) == 2
+    # Cut short: nothing to parse, the text stays text.
+    assert tool_reply("required", None, '[{"name":"get_w', "length") == ('[{"name":"get_w', [], "length")
+
+
+async def test_a_streamed_tool_call_goes_out_whole_as_tool_calls():
+    from app.schemas import ChatCompletionRequest
+
+    ing = make_ingress()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    req = ChatCompletionRequest.model_validate({
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": True,
+        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    stream = FakeStream([TokenDelta('"a":', [2], None, 3, 2), TokenDelta("1}", [3], "stop", 3, 3)])
+    out = events(await collect(ing, req, TokenDelta("{", [1], None, 3, 1), stream))
+    deltas = [e["choices"][0]["delta"] for e in out[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "content" not in deltas[1] and deltas[1]["tool_calls"][0]["index"] == 0
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a":1}'}
+    assert [e["choices"][0]["finish_reason"] for e in out[:-1]] == [None, None, "stop"]

@@ -290,6 +290,7 @@ class TorchEngine(Engine):
         self._loop_tokenizer = None
         # Structured output's grammar compiler, made at the first request that needs one.
         self._grammar: Optional[GrammarCompiler] = None
+        self._grammar_lock = asyncio.Lock()
 
         self._scheduler = Scheduler(max_num_seqs, self.max_model_len)
         self._batch = _Batch()
@@ -523,10 +524,14 @@ class TorchEngine(Engine):
     async def _constraint(self, params) -> Constraint:
         """The compiled grammar of a request's structured output (RequestRejected: 400)."""
         kind, spec = params.structured_output
-        if self._grammar is None:
-            self._grammar = await asyncio.to_thread(
-                GrammarCompiler.for_checkpoint, self.model_path, self.config.vocab_size
-            )
+        async with self._grammar_lock:
+            # One at a time: two first requests made two in parallel threads, and
+            # transformers' lazy import is not safe from two threads at once (an
+            # ImportError of AutoTokenizer in one of them, seen in loadtests/sampling_overhead).
+            if self._grammar is None:
+                self._grammar = await asyncio.to_thread(
+                    GrammarCompiler.for_checkpoint, self.model_path, self.config.vocab_size
+                )
         started = time.perf_counter()
         try:
             compiled = await asyncio.wait_for(

@@ -212,6 +212,41 @@ async def test_bad_parameters_are_rejected(engine):
         await collect(engine, make_request("empty", []))
 
 
+FIRST_STRUCTURED_REQUESTS = """
+import asyncio, sys
+from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
+from deployments.compute.engines.torch_engine import TorchEngine
+
+async def main():
+    engine = TorchEngine(sys.argv[1], max_num_seqs=4, num_threads=1)
+    await engine.start()
+    assert "transformers.models.auto" not in sys.modules, "the test needs a process without it"
+
+    async def one(i):
+        params = SamplingParams(max_tokens=4, temperature=0.0, structured_output=("choice", ["yes", "no"]))
+        return [d async for d in engine.generate(GenerationRequest(f"r{i}", [5, 6, 7], params))]
+
+    outs = await asyncio.gather(*(one(i) for i in range(4)))
+    await engine.shutdown()
+    print("ok", len(outs))
+
+asyncio.run(main())
+"""
+
+
+def test_the_first_structured_requests_at_once_all_get_the_grammar(tiny_model_path):
+    """Made by each first request in its own thread, the grammar compiler imported
+    transformers from several threads at once, and one request failed with an
+    ImportError (a fresh process: the import happens only once)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_STRUCTURED_REQUESTS, str(tiny_model_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0 and "ok 4" in out.stdout, out.stderr[-2000:]
+
+
 @pytest.mark.asyncio
 async def test_a_grammar_that_compiles_too_long_is_refused_and_the_engine_goes_on(engine, monkeypatch):
     import time

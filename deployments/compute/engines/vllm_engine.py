@@ -577,8 +577,11 @@ class VLLMEngine(Engine):
                     continue
                 text = completion.text
                 all_token_ids.extend(token_ids)
-                if reason is not None and not isinstance(getattr(completion, "stop_reason", None), str):
-                    text += self._flush_tail(all_token_ids, streamed + text)
+                stop_reason = getattr(completion, "stop_reason", None)
+                if reason is not None and not isinstance(stop_reason, str):
+                    # A stop token id (an int reason) stays out of the text, as vLLM leaves it.
+                    ended = all_token_ids[:-1] if isinstance(stop_reason, int) else all_token_ids
+                    text += self._flush_tail(ended, streamed + text)
                 streamed += text
                 k = request.sampling.logprobs
                 yield TokenDelta(

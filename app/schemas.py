@@ -59,7 +59,7 @@ class _Request(BaseModel):
         if len(value) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased")
         for key, bias in value.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²" is a digit to isdigit, not to int
                 raise ValueError(f"keys must be token ids, got {key[:40]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")

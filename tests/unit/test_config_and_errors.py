@@ -128,7 +128,7 @@ def test_neutral_values_and_unknown_fields_pass(base, extra):
     "field, value",
     [
         ("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("top_k", -2),
-        ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"x": 1}), ("logit_bias", {"-3": 1}),
+        ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"x": 1}), ("logit_bias", {"-3": 1}), ("logit_bias", {"\u00b2": 1}),
         ("logit_bias", {"5": 101}), ("logit_bias", {str(i): 1 for i in range(301)}),
     ],
 )

@@ -2,7 +2,9 @@
 
 Requests are validated here; out-of-range values fail with a message that names the field
 (turned into a 400 by the ingress). Unknown extra fields are accepted and ignored, as the
-OpenAI API does for forward compatibility.
+OpenAI API does for forward compatibility; a known field that would change the answer but
+that no engine applies is named instead (``unsupported_field``), unless it holds its
+neutral default.
 """
 
 from __future__ import annotations
@@ -163,7 +165,6 @@ class _Request(BaseModel):
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
 
     def unsupported_field(self) -> Optional[tuple[str, str]]:
         """The first field the client set to a value that would change what it gets back

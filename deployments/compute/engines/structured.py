@@ -47,7 +47,8 @@ def choice_as_grammar(choices: list[str]) -> str:
 _NOISE = re.compile(r"\[[^\]]*\]\s*\S+:\d+:\s*|Check failed: \(.*?\) is false:\s*")
 
 
-def _reason(error: Exception) -> str:
+def clean_reason(error: Exception) -> str:
+    """xgrammar's message without its time and source position."""
     return " ".join(_NOISE.sub("", str(error)).split())[:300]
 
 
@@ -84,7 +85,7 @@ class GrammarCompiler:
             if kind == "choice":
                 return c.compile_grammar(choice_as_grammar(list(spec)))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its reason
-            raise ValueError(f"cannot compile the {kind} constraint: {_reason(e)}") from None
+            raise ValueError(f"cannot compile the {kind} constraint: {clean_reason(e)}") from None
         raise ValueError(f"unknown structured output kind {kind!r}; known: {', '.join(KINDS)}")
 
     def constraint(self, compiled) -> "Constraint":

@@ -46,6 +46,7 @@ from deployments.compute.engines.protocol import (
     TokenDelta,
     validate_request,
 )
+from deployments.compute.engines.structured import clean_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from app.config import AppConfig, VLLMOptions
@@ -601,7 +602,12 @@ class VLLMEngine(Engine):
         except v["ClientError"] as e:
             if got_output:
                 raise EngineError(f"vLLM failed the request: {e}") from e
-            raise RequestRejected(str(e)) from e
+            message = clean_reason(e)
+            # vLLM's refusals of a grammar ("Failed to transform json schema into a
+            # grammar", "Invalid JSON grammar specification") name the field, as the
+            # torch engine's do.
+            grammar = request.sampling.structured_output is not None and "grammar" in message
+            raise RequestRejected(message, param="response_format" if grammar else None) from e
         except Exception as e:  # noqa: BLE001 - vLLM's EngineGenerateError and the like
             if self._llm is None or llm.errored:
                 raise EngineDeadError(f"vLLM engine is dead: {e!r}") from e

@@ -89,9 +89,11 @@ class _Request(BaseModel):
 
     @field_validator("structured_outputs")
     @classmethod
-    def _structured_outputs(cls, value):
+    def _structured_outputs(cls, value, info):
         if value is None:
             return value
+        if (info.data.get("response_format") or {}).get("type", "text") != "text":
+            raise ValueError("set response_format or structured_outputs, not both")
         given = [k for k in ("json", "regex", "choice", "json_object") if value.get(k) not in (None, False)]
         unknown = [k for k in ("grammar", "structural_tag") if value.get(k) is not None]
         if unknown:
@@ -109,12 +111,6 @@ class _Request(BaseModel):
         ):
             raise ValueError("choice must be a non-empty list of non-empty strings")
         return value
-
-    @model_validator(mode="after")
-    def _one_structure(self):
-        if self.structured_outputs and self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("set response_format or structured_outputs, not both")
-        return self
 
     def structured_output(self) -> Optional[tuple]:
         """SamplingParams.structured_output of this request (engines/structured.py)."""
@@ -276,11 +272,13 @@ class ChatCompletionRequest(_Request):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info):
+        # A field check (logprobs is validated before it), so the 400 names the field.
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        return self
+        return value
 
     def requested_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -179,7 +179,8 @@ def test_structured_output_requests_map_to_one_constraint(fields, expected):
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
-        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ],
 )
 def test_malformed_structured_output_is_named(fields, field):

@@ -1,7 +1,8 @@
 """What the sampling features cost the torch engine: output tokens/s of one batch of
 concurrent requests with plain sampling, with logprobs (top 5), with penalties and a
 logit bias, and held to a JSON schema (structured output), alternated round by round in
-one process on one engine (no Serve, no HTTP), and each variant's ratio to plain.
+one process on one engine (no Serve, no HTTP; each round starts with the next variant),
+and each variant's ratio to plain.
 
     python -m loadtests.sampling_overhead [--preset small] [--rounds 3] [--concurrency 16]
         [--input-len 128] [--output-len 64]
@@ -64,8 +65,10 @@ async def main(args) -> None:
     for variant in VARIANTS:  # warm-up: kernels, the grammar compiler and its cache
         await one_round(engine, variant, argparse.Namespace(**{**vars(args), "concurrency": 2}), rng)
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    names = list(VARIANTS)
     for r in range(args.rounds):
-        for variant in VARIANTS:
+        # Each round starts with another variant: a later place in a round ran slower.
+        for variant in names[r % len(names):] + names[: r % len(names)]:
             seconds, tokens = await one_round(engine, variant, args, rng)
             rates[variant].append(tokens / seconds)
             print(f"[round {r + 1}/{args.rounds}] {variant}: {tokens} tokens in {seconds:.2f} s "

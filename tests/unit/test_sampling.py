@@ -93,13 +93,17 @@ def test_adjust_logits_applies_bias_min_tokens_and_penalties_in_vllms_order():
     params = SamplingParams(max_tokens=9, logit_bias={1: 4.0}, repetition_penalty=2.0,
                             frequency_penalty=0.5, presence_penalty=0.25, min_tokens=3)
     # Prompt [0]; output [3, 3]; token 4 ends sequences.
-    out = adjust_logits(logits, params, [0], [3, 3], stop_ids=[4])
+    after_params = SamplingParams(max_tokens=9, min_tokens=2, repetition_penalty=2.0)
+    plain = SamplingParams(max_tokens=9, presence_penalty=1.0)
+    # Prompt [0]; output [3, 3]; token 4 ends sequences. Three rows at once.
+    out = adjust_logits(torch.stack([logits] * 3), [params, after_params, plain],
+                        [[0], [4], [0]], [[3, 3], [1, 1], []], [[4], [4], [4]])
     # bias: token 1 -> 3.0; min_tokens: 4 -> -inf; repetition on {0, 3} (positive: halved);
     # then token 3 loses 2 * 0.5 (frequency) + 0.25 (presence).
-    assert out.tolist() == [1.0, 3.0, 0.5, 1.5 - 1.25, float("-inf")]
+    assert out[0].tolist() == [1.0, 3.0, 0.5, 1.5 - 1.25, float("-inf")]
+    assert out[1].tolist() == [2.0, -2.0, 0.5, 3.0, -4.0]  # min_tokens reached; negative: doubled
+    assert out[2].tolist() == logits.tolist()  # no output yet: nothing to penalise
     assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # the caller's row is untouched
-    after = adjust_logits(logits, SamplingParams(max_tokens=9, min_tokens=2, repetition_penalty=2.0), [4], [1, 1], [4])
-    assert after.tolist() == [2.0, -2.0, 0.5, 3.0, -4.0]  # min_tokens reached; negative: doubled
     assert not adjusts_logits(SamplingParams(max_tokens=9, min_tokens=2), 2)
     assert adjusts_logits(SamplingParams(max_tokens=9, min_tokens=2), 1)
     assert not adjusts_logits(SamplingParams(max_tokens=9, top_k=3, min_p=0.1), 0)

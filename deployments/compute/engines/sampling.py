@@ -96,30 +96,56 @@ def adjusts_logits(params, num_output: int) -> bool:
 
 def adjust_logits(
     logits: torch.Tensor,
-    params,
-    prompt_ids: Sequence[int],
-    output_ids: Sequence[int],
-    stop_ids: Sequence[int],
+    params: Sequence,
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    stop_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """One row's logits ([vocab]) with a request's logit bias, min_tokens and penalties
-    applied (protocol.SamplingParams), as vLLM applies them: bias; the end-of-sequence
-    ids ruled out while the output is shorter than min_tokens; the repetition penalty on
-    tokens of the prompt or the output; then frequency and presence on the output's."""
+    """Rows of logits ([rows, vocab]) with their requests' logit bias, min_tokens and
+    penalties applied (protocol.SamplingParams; row j is ``params[j]``'s), as vLLM applies
+    them: bias; the end-of-sequence ids ruled out while the output is shorter than
+    min_tokens; the repetition penalty on tokens of the prompt or the output; then
+    frequency and presence on the output's. The penalties go over all rows at once, and
+    only where a row's tokens are (row by row over the whole vocabulary they cost ~0.1 ms
+    a row, 9% of a 16-request step of the small model here)."""
     logits = logits.float().clone()
-    vocab = logits.shape[-1]
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype))
-    if len(output_ids) < params.min_tokens and stop_ids:  # EOS and stop_token_ids
-        logits[list(stop_ids)] = float("-inf")
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
-        if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen |= torch.bincount(torch.tensor(list(prompt_ids), dtype=torch.long), minlength=vocab)[:vocab] > 0
-            penalty = torch.where(seen, params.repetition_penalty, 1.0)
-            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    rows, vocab = logits.shape
+    # Only the tokens named (biased, ending, seen) change: these touch those positions of
+    # the flattened rows alone, a few hundred per row, never the whole vocabulary.
+    flat = logits.view(-1)
+    biased = [(j * vocab + t, b) for j, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if biased:
+        at, bias = zip(*biased)
+        flat.index_put_((torch.tensor(at),), torch.tensor(bias, dtype=logits.dtype), accumulate=True)
+    for j, p in enumerate(params):
+        if len(output_ids[j]) < p.min_tokens and stop_ids[j]:  # EOS and stop_token_ids
+            logits[j, list(stop_ids[j])] = float("-inf")
+    if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        return logits
+
+    def positions(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each id's position in ``flat`` and its row, one entry per occurrence."""
+        lengths = torch.tensor([len(ids) for ids in lists])
+        row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+        ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.long)
+        return row_of * vocab + ids, row_of
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([float(getattr(p, name)) for p in params], dtype=logits.dtype)
+
+    out_at, out_row = positions(output_ids)
+    repetition = column("repetition_penalty")
+    if bool((repetition != 1.0).any()):
+        prompts = [ids if p.repetition_penalty != 1.0 else () for p, ids in zip(params, prompt_ids)]
+        prompt_at, _ = positions(prompts)
+        seen = torch.unique(torch.cat([out_at, prompt_at]))
+        penalty = repetition[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    # Frequency per occurrence, presence once per token seen in the output.
+    flat.index_put_((out_at,), -column("frequency_penalty")[out_row], accumulate=True)
+    once = torch.unique(out_at)
+    flat[once] -= column("presence_penalty")[once // vocab]
     return logits
 
 

@@ -1095,12 +1095,17 @@ class TorchEngine(Engine):
             hook([r.seq.request_id for r in reqs], logits.clone(), phase)
         params = [r.request.sampling for r in reqs]
         raw = logits  # logprobs are of the model's own distribution
-        for i, (r, p) in enumerate(zip(reqs, params)):
-            if adjusts_logits(p, len(r.seq.output_token_ids)):
-                if logits is raw:
-                    logits = raw.clone()
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos_token_ids)
-                logits[i] = adjust_logits(raw[i], p, r.seq.prompt_token_ids, r.seq.output_token_ids, stop_ids)
+        rows = [i for i, (r, p) in enumerate(zip(reqs, params)) if adjusts_logits(p, len(r.seq.output_token_ids))]
+        if rows:
+            logits = raw.clone()
+            logits[rows] = adjust_logits(
+                raw[rows],
+                [params[i] for i in rows],
+                [reqs[i].seq.prompt_token_ids for i in rows],
+                [reqs[i].seq.output_token_ids for i in rows],
+                [set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else self._eos_token_ids) for i in rows],
+            )
+        for i, r in enumerate(reqs):
             if r.constraint is not None:
                 if logits is raw:
                     logits = raw.clone()

@@ -186,6 +186,14 @@ class _Metrics:
         self.output_tokens = metrics.Counter(
             "llm_generation_tokens", "Generated tokens.", tag_keys=tags
         )
+        self.features = metrics.Counter(
+            "llm_request_features",
+            "Requests taken for generation that asked for more than plain text, by feature: "
+            "logprobs, structured_output (response_format or structured_outputs), tool_call "
+            "(tool_choice named or required), sampling_controls (penalties, logit_bias, "
+            "top_k, min_p, min_tokens, stop_token_ids).",
+            tag_keys=("endpoint", "feature"),
+        )
         self.session_cache = metrics.Counter(
             "llm_session_turns",
             "Session turns by where their history came from: hit (this ingress's record of "
@@ -240,6 +248,25 @@ def tool_reply(mode: str, function: Optional[str], text: str, finish: str) -> tu
 
 def _tool_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def request_features(req, sampling) -> list[str]:
+    """The llm_request_features a request counts toward."""
+    features = []
+    if sampling.logprobs is not None:
+        features.append("logprobs")
+    tool_call = isinstance(req, ChatCompletionRequest) and req.tool_call_mode() is not None
+    if tool_call:
+        features.append("tool_call")
+    elif sampling.structured_output is not None:
+        features.append("structured_output")
+    if (
+        sampling.top_k or sampling.min_p or sampling.presence_penalty or sampling.frequency_penalty
+        or sampling.repetition_penalty != 1.0 or sampling.logit_bias or sampling.min_tokens
+        or sampling.stop_token_ids
+    ):
+        features.append("sampling_controls")
+    return features
 
 
 class _Call:
@@ -874,6 +901,8 @@ class Ingress:
         span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
+        for feature in request_features(req, gen_requests[0].sampling):
+            self._m.features.inc(tags={"endpoint": endpoint, "feature": feature})
         if req.requested_logprobs() is not None:
             span.set_attribute("llm.logprobs", req.requested_logprobs())
         if req.structured_output() is not None:

@@ -655,7 +655,9 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
         model=served_app.model_id, prompt="metrics", max_tokens=4, stream=True
     ):
         pass
+    served_app.client().completions.create(model=served_app.model_id, prompt="metrics", max_tokens=2, logprobs=1)
     wanted = [
+        "ray_llm_request_features_total",
         "ray_llm_requests_total",
         "ray_llm_ttft_seconds_bucket",
         "ray_llm_tpot_seconds_bucket",
@@ -672,3 +674,4 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     assert not missing, (missing, r.status_code, len(r.text), r.text[:300])
     text = r.text
     assert 'status="200"' in text
+    assert any('feature="logprobs"' in line for line in text.splitlines() if "llm_request_features" in line)

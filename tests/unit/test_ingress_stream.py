@@ -265,3 +265,18 @@ async def test_a_streamed_tool_call_goes_out_whole_as_tool_calls():
     assert "content" not in deltas[1] and deltas[1]["tool_calls"][0]["index"] == 0
     assert deltas[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a":1}'}
     assert [e["choices"][0]["finish_reason"] for e in out[:-1]] == [None, None, "stop"]
+
+
+def test_request_features_name_what_a_request_asked_for():
+    from app.ingress import request_features
+    from app.schemas import ChatCompletionRequest
+    from deployments.compute.engines.protocol import SamplingParams
+
+    plain = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert request_features(plain, SamplingParams(max_tokens=1)) == []
+    full = SamplingParams(max_tokens=1, logprobs=0, structured_output=("regex", "a"), top_k=3)
+    assert request_features(plain, full) == ["logprobs", "structured_output", "sampling_controls"]
+    tools = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})
+    assert request_features(tools, SamplingParams(max_tokens=1, structured_output=("json", "{}"))) == ["tool_call"]

@@ -305,8 +305,11 @@ class ChatCompletionRequest(_Request):
             if name in names:
                 raise ValueError(f"two tools are named {name!r}")
             names.add(name)
-            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
                 raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            if params and not isinstance(params.get("$defs", {}), dict):
+                raise ValueError(f"tools[{i}].function.parameters.$defs must be an object")
         return value or None
 
     @field_validator("tool_choice")
@@ -335,6 +338,13 @@ class ChatCompletionRequest(_Request):
             )
         if named and named["function"]["name"] not in {t["function"]["name"] for t in tools}:
             return f"tool_choice names {named['function']['name']!r}, which is not among the tools"
+        if choice == "required":
+            # One schema holds every tool's parameters, so their $defs share one namespace.
+            defs: dict = {}
+            for tool in tools:
+                for name, schema in ((tool["function"].get("parameters") or {}).get("$defs") or {}).items():
+                    if defs.setdefault(name, schema) != schema:
+                        return f"two tools define $defs {name!r} differently, which 'required' cannot hold at once"
         if choice != "none" and (self.structured_outputs or (self.response_format or {}).get("type", "text") != "text"):
             return "a tool_choice that calls a tool cannot be combined with response_format or structured_outputs"
         return None

@@ -206,6 +206,8 @@ NOOP = {"type": "function", "function": {"name": "noop"}}
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
         ({"tools": [WEATHER], "tool_choice": "none"}, None),
         ({"tools": [WEATHER, NOOP], "tool_choice": "required"}, None),
+        ({"tools": [WEATHER, {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "$defs": {"city": {"type": "string"}}}}}], "tool_choice": "required"}, "$defs 'city'"),
         ({"tool_choice": "auto"}, None),
     ],
 )
@@ -217,7 +219,8 @@ def test_a_tool_choice_this_server_cannot_serve_is_explained(fields, problem):
 @pytest.mark.parametrize(
     "tools",
     [[{"type": "function"}], [{"type": "function", "function": {"name": "has space"}}], [NOOP, NOOP],
-     [{"type": "function", "function": {"name": "f", "parameters": "x"}}], [{"type": "retrieval"}]],
+     [{"type": "function", "function": {"name": "f", "parameters": "x"}}], [{"type": "retrieval"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {"$defs": ["x"]}}}]],
 )
 def test_malformed_tools_are_named(tools):
     with pytest.raises(ValidationError) as e:

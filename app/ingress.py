@@ -1012,13 +1012,28 @@ class Ingress:
                 payload["usage"] = None
             return _sse(payload)
 
-        # A reply held to a tool call goes out whole, as tool_calls, when its choice ends.
+        # A reply held to a tool call goes out as tool_calls: a named function's arguments
+        # as they come (the call's id and name in its first chunk, as vLLM streams them);
+        # "required"'s list whole when its choice ends (its calls are known only parsed).
         tool_mode = req.tool_call_mode() if chat else None
         texts: list[list[str]] = [[] for _ in calls]
+        opened = [False] * len(calls)
 
         def chunks(index: int, text: str, finish: Optional[str]) -> list[bytes]:
             if not tool_mode:
                 return [chunk(index, text, finish)] if text or finish else []
+            if tool_mode == "named":
+                out = []
+                if text or (finish and not opened[index]):
+                    if opened[index]:
+                        part = {"function": {"arguments": text}}
+                    else:
+                        opened[index] = True
+                        part = _tool_call(req.called_function(), text)
+                    out.append(chunk(index, None, None, tool_calls=[part]))
+                if finish:
+                    out.append(chunk(index, None, finish))
+                return out
             texts[index].append(text)
             if finish is None:
                 return []

@@ -337,8 +337,13 @@ def test_function_calling_with_a_named_function_or_required(served_app):
     # Streamed: the same call, assembled from the chunks' tool_calls.
     chunks = list(client.chat.completions.create(**kw, stream=True,
                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}))
-    streamed = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather", call.function.arguments)]
+    assembled: dict = {}  # as a client assembles the calls: by index, arguments appended
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = assembled.setdefault(tc.index, {"name": None, "arguments": ""})
+            entry["name"] = tc.function.name or entry["name"]
+            entry["arguments"] += tc.function.arguments or ""
+    assert assembled == {0: {"name": "get_weather", "arguments": call.function.arguments}}
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
     required = client.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)

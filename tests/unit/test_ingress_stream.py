@@ -250,21 +250,39 @@ def test_a_tool_call_reply_becomes_tool_calls():
     assert tool_reply("required", None, '[{"name":"get_w', "length") == ('[{"name":"get_w', [], "length")
 
 
-async def test_a_streamed_tool_call_goes_out_whole_as_tool_calls():
+def tool_request(choice):
     from app.schemas import ChatCompletionRequest
 
-    ing = make_ingress()
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    req = ChatCompletionRequest.model_validate({
+    return ChatCompletionRequest.model_validate({
         "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": True,
-        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
-    stream = FakeStream([TokenDelta('"a":', [2], None, 3, 2), TokenDelta("1}", [3], "stop", 3, 3)])
+        "tools": tools, "tool_choice": choice})
+
+
+async def test_a_named_tool_call_streams_its_arguments_as_they_come():
+    ing = make_ingress()
+    req = tool_request({"type": "function", "function": {"name": "f"}})
+    stream = FakeStream([TokenDelta("", [2], None, 3, 2), TokenDelta('"a":', [3], None, 3, 3),
+                         TokenDelta("1}", [4], "stop", 3, 4)])
     out = events(await collect(ing, req, TokenDelta("{", [1], None, 3, 1), stream))
     deltas = [e["choices"][0]["delta"] for e in out[:-1]]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    assert "content" not in deltas[1] and deltas[1]["tool_calls"][0]["index"] == 0
-    assert deltas[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a":1}'}
-    assert [e["choices"][0]["finish_reason"] for e in out[:-1]] == [None, None, "stop"]
+    parts = [d["tool_calls"][0] for d in deltas[1:] if "tool_calls" in d]
+    assert all("content" not in d for d in deltas[1:]) and [p["index"] for p in parts] == [0, 0, 0]
+    assert parts[0]["function"] == {"name": "f", "arguments": "{"} and parts[0]["id"].startswith("call_")
+    assert all("id" not in p and "name" not in p["function"] for p in parts[1:])
+    assert "".join(p["function"]["arguments"] for p in parts) == '{"a":1}'
+    assert [e["choices"][0]["finish_reason"] for e in out[:-1]][-1] == "stop"
+
+
+async def test_required_tool_calls_stream_whole_when_the_choice_ends():
+    ing = make_ingress()
+    stream = FakeStream([TokenDelta('"f","parameters":{}}]', [2], "stop", 3, 2)])
+    out = events(await collect(ing, tool_request("required"), TokenDelta('[{"name":', [1], None, 3, 1), stream))
+    deltas = [e["choices"][0]["delta"] for e in out[:-1]]
+    (call,) = deltas[1]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "f", "arguments": "{}"}
+    assert [e["choices"][0]["finish_reason"] for e in out[:-1]] == [None, None, "tool_calls"]
 
 
 def test_request_features_name_what_a_request_asked_for():

@@ -306,7 +306,6 @@ class DataPlane(DrainsOnStop):
         # Per Redis server (SESSIONS: the durable one; KV: the blocks' one, the same
         # server unless dataplane.kv_redis is set): unreachable since when. A KV outage
         # keeps sessions durable in theirs, and the reverse.
-        self._degraded: dict[str, bool] = {SESSIONS: False, KV: False}
         self._degraded_since: dict[str, Optional[float]] = {SESSIONS: None, KV: None}
         # Per server: refusing writes (reachable, but full or read-only) since when;
         # cleared when the reconnect loop's write probe is taken again (_check_writes).
@@ -416,7 +415,7 @@ class DataPlane(DrainsOnStop):
         for server in self._servers():
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    if self._degraded[server]:
+                    if self._down(server):
                         await self._store.ping(server)
                         await self._resync(server)
                     elif KV in self._linked(server):
@@ -540,9 +539,9 @@ class DataPlane(DrainsOnStop):
         # meanwhile, which marks it so) the reconnect loop's resync writes it once it
         # answers, as this replica's own.
         try:
-            if session_id is not None and not self._degraded[SESSIONS]:
+            if session_id is not None and not self._down(SESSIONS):
                 await self._redis(SESSIONS, self._resync_sessions)
-            if blocks_to_delete and not self._degraded[KV]:
+            if blocks_to_delete and not self._down(KV):
                 await self._redis(KV, self._delete_due_blocks)
         except (RedisUnavailable, RedisRefused):
             pass  # marked degraded or refusing by _redis: the reconnect loop takes over
@@ -582,7 +581,7 @@ class DataPlane(DrainsOnStop):
         self._take(key, record, deleted)
         self._backups[key] = exclude_replica
         self._m.inc("backup_sessions_taken")
-        if not self._degraded[SESSIONS]:
+        if not self._down(SESSIONS):
             # The sender found Redis down and this replica has not (yet): try now, off
             # the sender's wait; a failure marks it down and the reconnect loop retries.
             task = asyncio.get_running_loop().create_task(self._write_back_now())
@@ -607,7 +606,7 @@ class DataPlane(DrainsOnStop):
         then keep one side and drop the other's acknowledged turns."""
         if key not in self._backups:
             return
-        if not self._degraded[SESSIONS]:
+        if not self._down(SESSIONS):
             try:
                 await self._redis(SESSIONS, self._resync_sessions)
             except (RedisUnavailable, RedisRefused):
@@ -705,17 +704,32 @@ class DataPlane(DrainsOnStop):
     @property
     def degraded(self) -> bool:
         """Some Redis server is unreachable (what /ready reports)."""
-        return any(self._degraded.values())
+        return any(t is not None for t in self._degraded_since.values())
+
+    def _down(self, server: str) -> bool:
+        return self._degraded_since[server] is not None
+
+    def _refusing(self, server: str) -> bool:
+        return self._refusing_since[server] is not None
+
+    def _mark(self, since: dict[str, Optional[float]], gauge: str, server: str, on: bool) -> Optional[float]:
+        """Set (``on``) or clear a per-server state kept as "since when" (``since``), for
+        ``server`` and the roles it shares, with its gauge. When it changed, when it had
+        begun (now, if it begins now); None when nothing changed."""
+        names = self._linked(server)
+        if all((since[n] is not None) == on for n in names):
+            return None
+        began = min((since[n] or time.time()) for n in names)
+        for n in names:
+            since[n] = time.time() if on else None
+            self._m.set(gauge, 1 if on else 0, tags={"server": n})
+        return began
 
     def _set_degraded(self, server: str, degraded: bool, reason: str = "") -> None:
-        names = self._linked(server)
-        if all(self._degraded[n] == degraded for n in names):
+        since = self._mark(self._degraded_since, "degraded", server, degraded)
+        if since is None:
             return
-        since = min((self._degraded_since[n] or time.time()) for n in names)
-        for n in names:
-            self._degraded[n] = degraded
-            self._degraded_since[n] = time.time() if degraded else None
-            self._m.set("degraded", 1 if degraded else 0, tags={"server": n})
+        names = self._linked(server)
         what = "Redis" if len(names) > 1 else f"the {server} Redis"
         if degraded:
             kept = "sessions and KV blocks" if len(names) > 1 else (
@@ -741,7 +755,7 @@ class DataPlane(DrainsOnStop):
         """Run one call of the store on ``server`` (SESSIONS or KV). Raises
         RedisUnavailable at once while that server is down, and marks it down when the
         call finds it gone."""
-        if self._degraded[server]:
+        if self._down(server):
             raise RedisUnavailable("degraded")
         try:
             return await coro_fn(*args, **kwargs)
@@ -758,14 +772,11 @@ class DataPlane(DrainsOnStop):
     def _set_refusing(self, server: str, reply: Optional[str]) -> None:
         """Mark ``server`` (and the roles it shares) as refusing writes (``reply``: what
         it said) or, with None, as taking them again; logged once per change."""
-        names = self._linked(server)
         refusing = reply is not None
-        if all((self._refusing_since[n] is not None) == refusing for n in names):
+        since = self._mark(self._refusing_since, "refusing_writes", server, refusing)
+        if since is None:
             return
-        since = min((self._refusing_since[n] or time.time()) for n in names)
-        for n in names:
-            self._refusing_since[n] = time.time() if refusing else None
-            self._m.set("refusing_writes", 1 if refusing else 0, tags={"server": n})
+        names = self._linked(server)
         what = "Redis" if len(names) > 1 else f"the {server} Redis"
         if refusing:
             waits = " and ".join(
@@ -784,7 +795,7 @@ class DataPlane(DrainsOnStop):
         while True:
             await asyncio.sleep(self._cfg.redis.reconnect_interval_s)
             for server in self._servers():
-                if not self._degraded[server]:
+                if not self._down(server):
                     try:
                         await self._check_writes(server)
                     except (RedisUnavailable, RedisRefused):
@@ -819,7 +830,7 @@ class DataPlane(DrainsOnStop):
                     "noticed at the first refused write instead", server, e,
                 )
                 return
-        if self._refusing_since[server] is not None:
+        if self._refusing(server):
             self._set_refusing(server, None)
             # What waited for writes: blocks to write behind or erase, session block
             # lists to link.
@@ -915,7 +926,7 @@ class DataPlane(DrainsOnStop):
         work for later: the reconnect loop's resync does it once the server is back)."""
         while True:
             await asyncio.sleep(period_ms / 1000)
-            if self._degraded[KV] or self._refusing_since[KV] is not None or not pending():
+            if self._down(KV) or self._refusing(KV) or not pending():
                 continue
             try:
                 await self._redis(KV, work)
@@ -1475,7 +1486,7 @@ class DataPlane(DrainsOnStop):
             return None
         if rec.expired(time.time()):
             self._dirty_sessions.discard(key)
-            if not self._degraded[SESSIONS]:
+            if not self._down(SESSIONS):
                 del self._sessions[key]
             # Else kept, clean, while the server is down: a session this replica knows
             # expired stays a 404, not one it holds nothing of (a 503); the cache's bound
@@ -1533,7 +1544,7 @@ class DataPlane(DrainsOnStop):
         try:
             # Full or read-only (known, or found by this read's refresh of the expiry, a
             # write): read it without the refresh.
-            touch = self._refusing_since[SESSIONS] is None
+            touch = not self._refusing(SESSIONS)
             try:
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=touch)
             except RedisRefused:
@@ -1782,7 +1793,7 @@ class DataPlane(DrainsOnStop):
 
     async def status(self, shard_key: Optional[str] = None) -> dict:
         await self.start()
-        down = sorted(n for n, d in self._degraded.items() if d)
+        down = sorted(n for n, t in self._degraded_since.items() if t is not None)
         return {
             "degraded": bool(down),
             # Which Redis roles are unreachable: "sessions" (turns are kept in memory

@@ -17,7 +17,6 @@ import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
-from app.config import AppConfig
 from app.errors import InvalidRequestError
 from app.local_redis import LocalRedis
 from deployments.dataplane import keys
@@ -26,6 +25,7 @@ from deployments.dataplane.connector import resolve_block_refs
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisStore, RedisUnavailable
 from deployments.dataplane.resp import RawBlockClient
+from tests.fixtures.dataplane import standalone_dataplane
 from tests.fixtures.logs import messages_containing, serve_log_captured
 from tests.fixtures.polling import eventually
 from tests.fixtures.redis import SESSION_TOMBSTONE
@@ -321,18 +321,10 @@ async def test_store_survives_a_restart_and_reports_an_outage():
 def dataplane(url: str, sync_interval_ms: int = 60_000, kv_url: str | None = None, **redis_options) -> DataPlane:
     """A DataPlane (no Serve) with sessions on the Redis at ``url`` and blocks there too,
     or on ``kv_url``; by default it writes behind only when the test flushes."""
-    server = {"password_env": None, **redis_options}
-    config = AppConfig.model_validate({
-        "dataplane": {
-            "num_replicas": 1,
-            "l2_capacity_bytes": 1 << 24,
-            "sync_interval_ms": sync_interval_ms,
-            "redis": {"url": url, **server},
-            **({"kv_redis": {"url": kv_url, **server}} if kv_url else {}),
-        }
-    })
-    # In this process's memory even when an earlier test left Ray running here.
-    return DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+    kv = {"kv_redis": {"url": kv_url, "password_env": None, **redis_options}} if kv_url else {}
+    return standalone_dataplane(
+        url, redis=redis_options, l2_capacity_bytes=1 << 24, sync_interval_ms=sync_interval_ms, **kv
+    )
 
 
 async def test_packed_put_checks_blocks_and_reads_come_back_without_copies(redis_server):

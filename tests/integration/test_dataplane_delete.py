@@ -15,11 +15,10 @@ import contextlib
 import pytest
 import redis.asyncio as aioredis
 
-from app.config import AppConfig
-from app.local_redis import LocalRedis
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, encode_block
 from deployments.dataplane.deployment import DataPlane
+from tests.fixtures.dataplane import started_dataplane
 
 pytestmark = pytest.mark.integration
 
@@ -33,22 +32,12 @@ def _block(i: int) -> bytes:
 
 @contextlib.asynccontextmanager
 async def dataplane():
-    with LocalRedis() as server:
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                "l2_capacity_bytes": 1 << 22,
-                "sync_interval_ms": 600_000,  # write-behind only when a test runs it
-                "redis": {"url": server.url, "password_env": None},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+    # Write-behind only when a test runs it.
+    async with started_dataplane(l2_capacity_bytes=1 << 22, sync_interval_ms=600_000) as (dp, server):
         client = aioredis.Redis.from_url(server.url)
-        await dp.start()
         try:
             yield dp, client
         finally:
-            await dp.drain()
             await client.aclose()
 
 

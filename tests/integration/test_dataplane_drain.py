@@ -27,13 +27,13 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from app.config import AppConfig
 from app.errors import ServiceUnavailableError
 from app.local_redis import LocalRedis
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, encode_block, pack_blocks
 from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisUnavailable
+from tests.fixtures.dataplane import standalone_dataplane
 from tests.fixtures.logs import messages_containing, serve_log_captured
 from tests.fixtures.polling import eventually
 from tests.fixtures.redis import SESSION_TOMBSTONE
@@ -44,20 +44,15 @@ TENANT = "drain"
 
 
 def dataplane(url: str, *, reconnect_interval_s: float = 0.1, sync_interval_ms: int = 60_000, backup_timeout_s: float = 0) -> DataPlane:
-    config = AppConfig.model_validate({
-        "dataplane": {
-            "num_replicas": 2,
-            "l2_capacity_bytes": 1 << 22,
-            "sync_interval_ms": sync_interval_ms,
-            "drain_timeout_s": 5,
-            "outage_backup_timeout_s": backup_timeout_s,
-            "redis": {
-                "url": url, "password_env": None, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5,
-                "reconnect_interval_s": reconnect_interval_s,
-            },
-        }
-    })
-    return DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+    return standalone_dataplane(
+        url,
+        redis={"socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "reconnect_interval_s": reconnect_interval_s},
+        num_replicas=2,
+        l2_capacity_bytes=1 << 22,
+        sync_interval_ms=sync_interval_ms,
+        drain_timeout_s=5,
+        outage_backup_timeout_s=backup_timeout_s,
+    )
 
 
 class _Method:

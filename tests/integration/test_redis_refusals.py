@@ -15,14 +15,14 @@ import time
 import pytest
 import redis
 
-from app.config import AppConfig, RedisConfig
+from app.config import RedisConfig
 from app.errors import ServiceUnavailableError
 from app.local_redis import LocalRedis, _free_port
 from deployments.dataplane import keys
 from deployments.dataplane.blocks import BlockHeader, encode_block
-from deployments.dataplane.deployment import DataPlane
 from deployments.dataplane.redis_store import RedisRefused, RedisStore, RedisUnavailable
 from deployments.dataplane.types import SessionRecord
+from tests.fixtures.dataplane import started_dataplane
 from tests.fixtures.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -56,21 +56,11 @@ def refusing(client: redis.Redis, mode: str):
 @contextlib.asynccontextmanager
 async def dataplane(reconnect_interval_s: float, **dataplane):
     """One started DataPlane on a redis-server of its own, with a client on that server."""
-    with LocalRedis() as server:
-        config = AppConfig.model_validate({
-            "dataplane": {
-                "num_replicas": 1,
-                **dataplane,
-                "redis": {"url": server.url, "password_env": None, "reconnect_interval_s": reconnect_interval_s},
-            }
-        })
-        dp = DataPlane(config.model_dump(mode="json"), enable_metrics=False, object_store=False)
+    async with started_dataplane(redis={"reconnect_interval_s": reconnect_interval_s}, **dataplane) as (dp, server):
         client = redis.Redis.from_url(server.url)
-        await dp.start()
         try:
             yield dp, client
         finally:
-            await dp.drain()
             client.close()
 
 

@@ -882,7 +882,7 @@ class Ingress:
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
-            if not req.stream and req.requested_logprobs() is not None:
+            if not req.stream and gen_request.sampling.logprobs is not None:
                 c.logprob_items = []
         call = calls[0]
         call.turn = turn
@@ -901,12 +901,13 @@ class Ingress:
         span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
-        for feature in request_features(req, gen_requests[0].sampling):
+        sampling = gen_request.sampling  # what the schema's methods gave, computed once
+        for feature in request_features(req, sampling):
             self._m.features.inc(tags={"endpoint": endpoint, "feature": feature})
-        if req.requested_logprobs() is not None:
-            span.set_attribute("llm.logprobs", req.requested_logprobs())
-        if req.structured_output() is not None:
-            span.set_attribute("llm.structured_output", req.structured_output()[0])
+        if sampling.logprobs is not None:
+            span.set_attribute("llm.logprobs", sampling.logprobs)
+        if sampling.structured_output is not None:
+            span.set_attribute("llm.structured_output", sampling.structured_output[0])
         streams = [
             _LocalStream(self._router.generate(g, gate=check, session_lookup=early if i == 0 else None))
             for i, g in enumerate(gen_requests)

@@ -44,6 +44,7 @@ from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
     SessionClient,
+    check_writable,
     exact_prompt_ids,
     fit_history,
     reply_token_ids,
@@ -597,10 +598,11 @@ class Ingress:
     def _session_check(self, read: asyncio.Task, cached) -> asyncio.Future:
         """Done when the store's record (``read``) is the one the prompt was built from;
         raises ``_SessionMoved`` when the store's is newer (and the read's own error, 404
-        for a session deleted or expired meanwhile)."""
+        for a session deleted or expired meanwhile; 503 when its store refuses writes)."""
 
         async def check() -> None:
             record = await asyncio.shield(read)  # the caller may still need the read
+            check_writable(record)
             if record.version != cached.version:
                 raise _SessionMoved(record)
 
@@ -611,6 +613,7 @@ class Ingress:
 
     def _session_prompt(self, req: ChatCompletionRequest, session_id: str, new_messages: list[dict], record):
         """Prompt ids and the pending turn of a session turn, on ``record``'s history."""
+        check_writable(record)
         built: list[list[int]] = []
 
         def count_tokens(msgs: list[dict]) -> int:

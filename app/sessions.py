@@ -28,6 +28,7 @@ from app.errors import (
     replica_death_types,
 )
 from app.serve_context import cancel_call
+from deployments.dataplane.redis_store import RedisRefused
 
 logger = logging.getLogger("ray.serve")
 
@@ -103,6 +104,14 @@ def exact_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
         if i < len(spliced):
             out += spliced[i]
     return out
+
+
+def check_writable(record) -> None:
+    """A 503 for a turn on ``record`` when it was read while its store refuses writes
+    (``SessionRecord.writes_refused``): its append would be refused, after its reply was
+    generated; so the turn is refused before any compute, with the same answer."""
+    if record.writes_refused:
+        raise RedisRefused.of()
 
 
 def check_session_id(session_id: str) -> str:

@@ -1548,6 +1548,7 @@ class DataPlane(DrainsOnStop):
             try:
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=touch)
             except RedisRefused:
+                touch = False
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)
         except UnreadableSessionRecord as e:
             logger.error("DataPlane: tenant %s: %s", tenant, e.message)
@@ -1565,6 +1566,8 @@ class DataPlane(DrainsOnStop):
             self._sessions.pop(key, None)
             return None
         self._cache_session(rec)
+        if not touch:  # the server refuses writes: so would this session's next append
+            return dataclasses.replace(rec, messages=list(rec.messages), writes_refused=True)
         return rec
 
     async def append_turn(

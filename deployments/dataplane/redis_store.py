@@ -55,14 +55,16 @@ class RedisRefused(ServiceUnavailableError):
     reply: str = ""
 
     @classmethod
-    def of(cls, error: ResponseError) -> "RedisRefused":
+    def of(cls, error: Optional[ResponseError] = None) -> "RedisRefused":
+        """The refusal Redis answered with ``error``; None: one known before any write
+        was tried (a session read while its server refuses writes, ``SessionRecord``)."""
         refused = cls(
             "The session store is not accepting writes right now (it is full or "
             "read-only); nothing was saved. Retry later.",
             code="store_refusing_writes",
             headers={"Retry-After": str(REFUSED_RETRY_AFTER_S)},
         )
-        refused.reply = _as_said(error)[:300]
+        refused.reply = "" if error is None else _as_said(error)[:300]
         return refused
 
 

@@ -28,6 +28,10 @@ class SessionRecord:
     # The id of the turn that made ``version`` (empty before the first append): an append
     # made again with the same id after it landed is that turn's success, not a conflict.
     last_turn_id: str = ""
+    # Not stored: set on a record read while its Redis refuses writes (full, read-only).
+    # A turn on it would be refused at its append, after its reply was generated; the
+    # ingress answers the 503 before any compute instead (app.sessions.check_writable).
+    writes_refused: bool = False
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at

@@ -108,7 +108,8 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
 def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served_app, redis_client):
     """The Redis answers but is full (``maxmemory`` with ``noeviction``: what a durable
     sessions server runs with): a session create or turn is a 503 naming the cause, with
-    nothing saved, a stream ends with an error event, a session still reads, a delete
+    nothing saved; a turn is refused before its reply is generated (a streamed one gets
+    the 503 itself, not tokens and then an error event); a session still reads, a delete
     still frees, stateless requests go on, /ready says so; once memory is freed the
     session goes on in order."""
     base = served_app.base_url
@@ -135,19 +136,21 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
             while (seen := ready_body(base)) != expected:
                 assert time.monotonic() < deadline, seen
                 time.sleep(0.2)
-            refused = [turn("second"), client.post("/v1/sessions")]
+            refused = [
+                turn("second"),
+                turn("streamed", stream=True),
+                # Named in the body: the prompt waits for the read (no header to start it early).
+                client.post("/v1/chat/completions", json={
+                    **chat, "session_id": sid, "stream": True,
+                    "messages": [{"role": "user", "content": "in the body"}]}),
+                client.post("/v1/sessions"),
+            ]
             for r in refused:
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "5"
+                assert r.headers["content-type"] == "application/json"
                 assert r.json()["error"]["code"] == "store_refusing_writes"
                 assert "not accepting writes" in r.json()["error"]["message"]
-            with client.stream(
-                "POST", "/v1/chat/completions", headers={"X-Session-Id": sid},
-                json={**chat, "messages": [{"role": "user", "content": "streamed"}], "stream": True},
-            ) as r:
-                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-            assert r.status_code == 200
-            assert events[-1] == "[DONE]" and "store_refusing_writes" in events[-2], events[-3:]
             assert redis_client.hgetall(key) == before
             got = client.get(f"/v1/sessions/{sid}")
             assert got.status_code == 200 and got.json()["version"] == 1

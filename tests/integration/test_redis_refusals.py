@@ -131,7 +131,7 @@ async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
                 await dp.create_session(TENANT, session_id="sess_" + "n" * 32)
             assert client.hgetall(key) == before
             got = await dp.get_session(TENANT, SID)  # read without refreshing its expiry
-            assert (got.version, got.messages) == (1, TURN)
+            assert (got.version, got.messages, got.writes_refused) == (1, TURN, True)
             # A worker's export of the turn: kept in L2, written once Redis takes it.
             hashes = ["h0", "h1"]
             assert await dp.put_blocks(TENANT, hashes, [_block(0), _block(1)], SID, shard_key="h0") == 2
@@ -150,6 +150,7 @@ async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
         # Listed under the session, so that its delete erases them from Redis.
         assert {keys.split_session_block_member(m.decode())[1] for m in client.smembers(
             keys.session_blocks_key(TENANT, SID))} >= set(hashes)
+        assert (await dp.get_session(TENANT, SID)).writes_refused is False
         assert (await dp.append_turn(TENANT, SID, 1, TURN, 7, turn_id="t2")).version == 2
         assert await dp.delete_session(TENANT, SID) is True
         assert not client.exists(*[keys.block_key(TENANT, h) for h in hashes])
@@ -164,7 +165,7 @@ async def test_a_read_finds_the_refusal_itself_and_still_answers():
         with refusing(client, "oom"):
             assert (await dp.status())["refusing_writes"] == []
             got = await dp.get_session(TENANT, SID)
-            assert (got.version, got.messages) == (1, TURN)
+            assert (got.version, got.messages, got.writes_refused) == (1, TURN, True)
             assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
 
 

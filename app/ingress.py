@@ -158,6 +158,17 @@ def _named_session(request: Request, req) -> Optional[str]:
     return header if header is not None else req.session_id
 
 
+def _refuse_session(request: Request, req: CompletionRequest) -> None:
+    """A completion request that names a session (header or body): a 400. Sessions hold
+    chat turns; ignoring the name would give a reply the client takes to be stored."""
+    if request.headers.get("x-session-id") is not None or (req.model_extra or {}).get("session_id") is not None:
+        raise InvalidRequestError(
+            "Sessions hold chat turns: name one (X-Session-Id header or session_id) in a "
+            "request to /v1/chat/completions, not /v1/completions.",
+            param="session_id",
+        )
+
+
 class _Metrics:
     def __init__(self):
         tags = ("endpoint",)
@@ -806,6 +817,7 @@ class Ingress:
                         session_lookup = self._start_session_lookup(req.session_id)
                     prompt_ids, turn, check = await self._chat_prompt(req, request, early_session)
                 else:
+                    _refuse_session(request, req)
                     prompt_ids = self._completion_prompt_ids(req)
                 started = time.monotonic()
                 try:

@@ -81,6 +81,18 @@ def test_tools_in_a_session_turn_are_400_and_append_nothing(served_app):
     assert get_session(served_app, sid).json()["version"] == 0
 
 
+def test_a_completion_request_that_names_a_session_is_400_and_appends_nothing(served_app):
+    sid = new_session(served_app)["id"]
+    body = {"model": served_app.model_id, "prompt": "hello", "max_tokens": 2}
+    for extra, headers in [({}, {"X-Session-Id": sid}), ({"session_id": sid}, {})]:
+        r = httpx.post(served_app.base_url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+        assert "/v1/chat/completions" in r.json()["error"]["message"]
+    assert get_session(served_app, sid).json()["version"] == 0
+    # Without one it is served.
+    assert httpx.post(served_app.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
 def stored_record(served_app, sid):
     """The DataPlane's own record (with the reply token ids the API never shows)."""
     from ray import serve

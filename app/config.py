@@ -2,8 +2,8 @@
 
 Every field carries a description and bounds; a bad value fails ``build_app`` (and so the
 deploy) with pydantic's message, which names the field path and the allowed range.
-Secrets never live here: they come from the environment (see ``telemetry``/``security``
-sections of later issues).
+Secrets never live here: they come from the environment or files (the Redis password,
+``security``'s API keys).
 """
 
 from __future__ import annotations
@@ -439,6 +439,28 @@ class IngressConfig(_Strict):
         )
 
 
+class SecurityConfig(_Strict):
+    """API keys → tenants (app/auth.py). The keys themselves never go here."""
+
+    api_keys_env: Optional[str] = Field(
+        default="LLM_API_KEYS",
+        min_length=1,
+        description="Environment variable of each ingress replica holding API keys as "
+        "'tenant:key' entries separated by whitespace or commas. No entry (here or in "
+        "api_keys_file): keys are off and every request is tenant 'default'.",
+    )
+    api_keys_file: Optional[str] = Field(
+        default=None,
+        min_length=1,
+        description="A file of 'tenant:key' entries (one a line, '#' comments), e.g. a "
+        "mounted Kubernetes Secret; read again when it changes. It must exist where the "
+        "ingress replicas run.",
+    )
+    reload_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="How often api_keys_file is checked for a change."
+    )
+
+
 class TelemetryConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
     otlp_endpoint: Optional[str] = Field(
@@ -703,6 +725,7 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     serve_runtime: ServeRuntimeConfig = Field(default_factory=ServeRuntimeConfig)
 

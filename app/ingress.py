@@ -11,6 +11,7 @@ and ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import json
@@ -31,8 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import serve_context, telemetry
 from app.config import AppConfig
+from app.auth import DEFAULT_TENANT, ApiKeys
 from app.errors import (
     APIError,
+    AuthenticationError,
     InvalidRequestError,
     NotFoundError,
     PayloadTooLargeError,
@@ -158,6 +161,10 @@ def _named_session(request: Request, req) -> Optional[str]:
     return header if header is not None else req.session_id
 
 
+# At most one log line about refused API keys this often (the metric counts each).
+AUTH_LOG_INTERVAL_S = 10.0
+
+
 def _refuse_session(request: Request, req: CompletionRequest) -> None:
     """A completion request that names a session (header or body): a 400. Sessions hold
     chat turns; ignoring the name would give a reply the client takes to be stored."""
@@ -194,9 +201,18 @@ class _Metrics:
             boundaries=LATENCY_BUCKETS_S,
             tag_keys=tags,
         )
-        self.prompt_tokens = metrics.Counter("llm_prompt_tokens", "Prompt tokens.", tag_keys=tags)
+        # By tenant too (the API key's; "default" without keys): what each one used.
+        self.prompt_tokens = metrics.Counter(
+            "llm_prompt_tokens", "Prompt tokens, by endpoint and tenant.", tag_keys=("endpoint", "tenant")
+        )
         self.output_tokens = metrics.Counter(
-            "llm_generation_tokens", "Generated tokens.", tag_keys=tags
+            "llm_generation_tokens", "Generated tokens, by endpoint and tenant.", tag_keys=("endpoint", "tenant")
+        )
+        self.auth_failures = metrics.Counter(
+            "llm_auth_failures",
+            "Requests refused 401 by API key: reason=missing (no Bearer key) or invalid (no "
+            "such key).",
+            tag_keys=("reason",),
         )
         self.features = metrics.Counter(
             "llm_request_features",
@@ -284,8 +300,9 @@ def request_features(req, sampling) -> list[str]:
 class _Call:
     """Bookkeeping of one generation call: timings, tokens, and the final record."""
 
-    def __init__(self, endpoint: str, request_id: str, num_prompt_tokens: int):
+    def __init__(self, endpoint: str, request_id: str, num_prompt_tokens: int, tenant: str = DEFAULT_TENANT):
         self.endpoint = endpoint
+        self.tenant = tenant
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         # When the handler took the request, and when it handed it to the router (after
@@ -352,6 +369,9 @@ class Ingress:
 
         self._config = AppConfig.model_validate(config)
         self._dataplane = dataplane
+        self._keys = ApiKeys.from_config(self._config.security)
+        self._auth_refusals: collections.Counter = collections.Counter()
+        self._auth_logged_at = float("-inf")
         self._sessions = (
             SessionClient(dataplane, self._config.dataplane.sessions) if dataplane else None
         )
@@ -371,6 +391,35 @@ class Ingress:
         self._stopping: set[asyncio.Future] = set()  # held until done (the loop keeps weak refs)
 
     # ---- plumbing -------------------------------------------------------------------
+
+    def _authenticate(self, request: Request, span=None) -> str:
+        """The tenant of ``request``'s API key (``default`` while keys are off); a 401
+        (``AuthenticationError``) when keys are on and it names none (app/auth.py)."""
+        try:
+            tenant = self._keys.tenant(request.headers.get("authorization"))
+        except AuthenticationError as e:
+            reason = "missing" if e.code == "missing_api_key" else "invalid"
+            self._m.auth_failures.inc(tags={"reason": reason})
+            self._auth_refusals[reason] += 1
+            now = time.monotonic()
+            if now - self._auth_logged_at >= AUTH_LOG_INTERVAL_S:  # a flood of bad keys is one line per interval
+                self._auth_logged_at = now
+                client = request.client.host if request.client else "?"
+                logger.info(
+                    "401: %d request(s) with a missing and %d with an unknown API key since the last "
+                    "such line; the latest %s %s from %s",
+                    self._auth_refusals["missing"], self._auth_refusals["invalid"],
+                    request.method, request.url.path, client,
+                )
+                self._auth_refusals = collections.Counter()
+            raise
+        if span is not None:
+            span.set_attribute("llm.tenant", tenant)
+        return tenant
+
+    def _sessions_of(self, tenant: str) -> Optional[SessionClient]:
+        """The sessions client of ``tenant`` (None while sessions are off)."""
+        return None if self._sessions is None else self._sessions.for_tenant(tenant)
 
     async def _read_json(self, request: Request) -> dict:
         limit = self._config.limits.max_request_body_bytes
@@ -470,7 +519,7 @@ class Ingress:
             )
         return req
 
-    def _generation_request(self, req, prompt_ids: list[int]) -> GenerationRequest:
+    def _generation_request(self, req, prompt_ids: list[int], tenant: str = DEFAULT_TENANT) -> GenerationRequest:
         num_prompt = len(prompt_ids)
         vocab = len(self._tokenizer)
         if any(t >= vocab for t in prompt_ids):
@@ -511,6 +560,7 @@ class Ingress:
                 **req.sampling_extras(),
             ),
             trace_headers=telemetry.inject_context(),
+            tenant=tenant,
         )
 
     def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
@@ -527,24 +577,24 @@ class Ingress:
                                       param="messages") from None
         return self._tokenizer.encode(text, add_special_tokens=False)
 
-    def _start_session_read(self, schema, request: Request) -> Optional[asyncio.Task]:
+    def _start_session_read(self, schema, request: Request, sessions: Optional[SessionClient]) -> Optional[asyncio.Task]:
         """The read of the session a chat request names in its ``X-Session-Id`` header,
         started before the body is read: under Serve the body is a call back to the HTTP
         proxy (~2.5 ms here) and the read a call to the data plane (~4.5 ms), so the two
         overlap. ``_chat_prompt`` awaits it, after the body's own checks, so errors keep
         their order; the header names the session even when the body does too."""
         session_id = request.headers.get("x-session-id")
-        if not session_id or self._sessions is None or schema is not ChatCompletionRequest:
+        if not session_id or sessions is None or schema is not ChatCompletionRequest:
             return None
         # Its own Serve request id: the router's KV lookup for this request may be in
         # flight beside it, to the same deployment (see app/serve_context.py).
-        task = serve_context.spawn(self._sessions.get(session_id))
+        task = serve_context.spawn(sessions.get(session_id))
         # Retrieved here, so a read that fails unawaited (the body was bad) is not logged
         # as a never-retrieved exception; an awaited one still raises to its caller.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    def _start_session_lookup(self, session_id: Optional[str]) -> Optional[SessionLookup]:
+    def _start_session_lookup(self, sessions: Optional[SessionClient], session_id: Optional[str]) -> Optional[SessionLookup]:
         """The KV lookup of the blocks of session ``session_id``'s last turn, when this
         ingress appended it (``_commit_turn``), started as the request arrives: from the
         ``X-Session-Id`` header before the body is read (a call back to the HTTP proxy,
@@ -555,15 +605,19 @@ class Ingress:
         following them. ``_start`` hands it on if the prompt was built on the version
         that turn left; the router, if the prompt extends that turn
         (``Router.start_session_lookup``)."""
-        if not session_id or self._sessions is None:
+        if not session_id or sessions is None:
             return None
-        cached = self._sessions.cached(session_id)
+        cached = sessions.cached(session_id)
         return self._router.start_session_lookup(
-            self._sessions.tenant, session_id, version=None if cached is None else cached.version
+            sessions.tenant, session_id, version=None if cached is None else cached.version
         )
 
     async def _chat_prompt(
-        self, req: ChatCompletionRequest, request: Request, early_session: Optional[asyncio.Task] = None
+        self,
+        req: ChatCompletionRequest,
+        request: Request,
+        sessions: Optional[SessionClient],
+        early_session: Optional[asyncio.Task] = None,
     ):
         """Prompt token ids of a chat request, with the session's history in front when it
         names one; also returns the turn to append once the reply is done, and the check
@@ -590,21 +644,21 @@ class Ingress:
             raise InvalidRequestError(
                 "Tools and tool calls are not supported in a session turn yet; send the "
                 "conversation without a session.", param="tools" if req.tools else "messages")
-        if self._sessions is None:
+        if sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):
-            cached = self._sessions.cached(session_id)
+            cached = sessions.cached(session_id)
             if cached is not None:
                 try:
-                    prompt_ids, turn = self._session_prompt(req, session_id, new_messages, cached)
+                    prompt_ids, turn = self._session_prompt(req, sessions, session_id, new_messages, cached)
                 except APIError:
                     pass  # an answer the store's copy must give: built from it below
                 else:
                     return prompt_ids, turn, self._session_check(early_session, cached)
             record = await early_session
         else:
-            record = await self._sessions.get(session_id)
-        return (*self._session_prompt(req, session_id, new_messages, record), None)
+            record = await sessions.get(session_id)
+        return (*self._session_prompt(req, sessions, session_id, new_messages, record), None)
 
     def _session_check(self, read: asyncio.Task, cached) -> asyncio.Future:
         """Done when the store's record (``read``) is the one the prompt was built from;
@@ -622,7 +676,9 @@ class Ingress:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    def _session_prompt(self, req: ChatCompletionRequest, session_id: str, new_messages: list[dict], record):
+    def _session_prompt(
+        self, req: ChatCompletionRequest, sessions: SessionClient, session_id: str, new_messages: list[dict], record
+    ):
         """Prompt ids and the pending turn of a session turn, on ``record``'s history."""
         check_writable(record)
         built: list[list[int]] = []
@@ -639,9 +695,9 @@ class Ingress:
             count_tokens=count_tokens,
             max_new_tokens=req.requested_max_tokens() or self._config.limits.default_max_tokens,
             max_model_len=self._max_model_len,
-            policy=self._sessions.config.overflow_policy,
+            policy=sessions.config.overflow_policy,
         )
-        turn = PendingTurn(session_id, record.version, new_messages, record.num_tokens)
+        turn = PendingTurn(session_id, record.version, new_messages, record.num_tokens, tenant=sessions.tenant)
         return built[-1], turn
 
     async def _commit_turn(self, call: "_Call", text: str) -> None:
@@ -653,14 +709,15 @@ class Ingress:
         if ids is not None:
             reply[TOKEN_IDS_KEY] = ids
         messages = call.turn.new_messages + [reply]
-        record = await self._sessions.append(
+        sessions = self._sessions_of(call.turn.tenant)
+        record = await sessions.append(
             call.turn, messages, call.num_prompt_tokens + call.num_output_tokens
         )
         if ids is not None and call.prompt_ids is not None:
             # The next turn's prompt repeats this prompt and these reply ids exactly: its
             # KV lookup of them may start before that prompt is built (the router's).
             self._router.remember_session_turn(
-                self._sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids
+                sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids
             )
 
     def _completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
@@ -704,9 +761,10 @@ class Ingress:
         end = time.monotonic()
         num_output = sum(c.num_output_tokens for c in calls)
         self._m.e2e.observe(end - call.received, tags=tags)
-        self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=tags)
+        usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant}
+        self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=usage_tags)
         if num_output:
-            self._m.output_tokens.inc(num_output, tags=tags)
+            self._m.output_tokens.inc(num_output, tags=usage_tags)
         # Only a streamed request has a first token the client sees (a buffered one gets
         # its deltas from the router at the end).
         firsts = [c.first_token_at for c in calls if c.first_token_at is not None]
@@ -718,10 +776,11 @@ class Ingress:
                         (end - c.first_token_at) / (c.num_output_tokens - 1), tags=tags
                     )
         logger.info(
-            "request done: id=%s endpoint=%s n=%d prompt_tokens=%d output_tokens=%d finish=%s "
-            "prompt_ms=%.1f ttft_ms=%.1f e2e_ms=%.1f trace=%s",
+            "request done: id=%s endpoint=%s tenant=%s n=%d prompt_tokens=%d output_tokens=%d "
+            "finish=%s prompt_ms=%.1f ttft_ms=%.1f e2e_ms=%.1f trace=%s",
             call.request_id,
             call.endpoint,
+            call.tenant,
             len(calls),
             call.num_prompt_tokens,
             num_output,
@@ -794,10 +853,12 @@ class Ingress:
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
             early_session = session_lookup = None
             try:
+                tenant = self._authenticate(request, span)
+                sessions = self._sessions_of(tenant)
                 self._router.reject_if_full()
-                early_session = self._start_session_read(schema, request)
+                early_session = self._start_session_read(schema, request, sessions)
                 if early_session is not None:
-                    session_lookup = self._start_session_lookup(request.headers.get("x-session-id"))
+                    session_lookup = self._start_session_lookup(sessions, request.headers.get("x-session-id"))
                 req = self._validate(schema, await self._read_json(request))
                 turn = check = None
                 if req.n > self._config.router.max_queue_depth:
@@ -814,15 +875,15 @@ class Ingress:
                             param="n",
                         )
                     if session_lookup is None and not request.headers.get("x-session-id"):
-                        session_lookup = self._start_session_lookup(req.session_id)
-                    prompt_ids, turn, check = await self._chat_prompt(req, request, early_session)
+                        session_lookup = self._start_session_lookup(sessions, req.session_id)
+                    prompt_ids, turn, check = await self._chat_prompt(req, request, sessions, early_session)
                 else:
                     _refuse_session(request, req)
                     prompt_ids = self._completion_prompt_ids(req)
                 started = time.monotonic()
                 try:
                     calls, streams, firsts = await self._start(
-                        endpoint, req, span, prompt_ids, turn, check, received, started, session_lookup
+                        endpoint, req, span, tenant, prompt_ids, turn, check, received, started, session_lookup
                     )
                 except Exception as e:
                     if check is None:
@@ -839,9 +900,9 @@ class Ingress:
                         "session %s: this ingress held version %d, the store %d; prompt built again",
                         turn.session_id, turn.expected_version, record.version,
                     )
-                    prompt_ids, turn = self._session_prompt(req, turn.session_id, turn.new_messages, record)
+                    prompt_ids, turn = self._session_prompt(req, sessions, turn.session_id, turn.new_messages, record)
                     calls, streams, firsts = await self._start(
-                        endpoint, req, span, prompt_ids, turn, None, received, started, session_lookup
+                        endpoint, req, span, tenant, prompt_ids, turn, None, received, started, session_lookup
                     )
                 else:
                     if turn is not None:
@@ -873,6 +934,7 @@ class Ingress:
         endpoint: str,
         req,
         span,
+        tenant: str,
         prompt_ids: list[int],
         turn,
         check,
@@ -884,7 +946,7 @@ class Ingress:
         (so that a rejection keeps its status code). ``check``: what the router awaits
         before the worker call (see ``_chat_prompt``); ``session_lookup``: see
         ``_start_session_lookup``. Returns the calls, their streams and their first deltas."""
-        gen_request = self._generation_request(req, prompt_ids)
+        gen_request = self._generation_request(req, prompt_ids, tenant)
         # A non-streaming client sees nothing before the end, so the router may
         # run it again if its worker dies mid-way (see Router._stream_with_retry).
         gen_request.buffered = not req.stream
@@ -893,7 +955,7 @@ class Ingress:
             gen_request.session_continues = turn.expected_version > 0
             span.set_attribute("llm.session_id", turn.session_id)
         gen_requests = self._choice_requests(req, gen_request)
-        calls = [_Call(endpoint, g.request_id, len(prompt_ids)) for g in gen_requests]
+        calls = [_Call(endpoint, g.request_id, len(prompt_ids), tenant) for g in gen_requests]
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
@@ -1153,7 +1215,14 @@ class IngressDeployment(Ingress):
         return await self._serve("completions", request, CompletionRequest)
 
     @fastapi_app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(self._models())
+
+    def _models(self) -> dict:
         return {
             "object": "list",
             "data": [
@@ -1168,22 +1237,28 @@ class IngressDeployment(Ingress):
         }
 
     @fastapi_app.get("/v1/models/{model_id}")
-    async def model(self, model_id: str) -> Response:
+    async def model(self, model_id: str, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except APIError as e:
+            return error_response(e)
         if model_id != self._config.model.id:
             return error_response(
                 NotFoundError(f"The model '{model_id}' does not exist.", code="model_not_found")
             )
-        return JSONResponse((await self.models())["data"][0])
+        return JSONResponse(self._models()["data"][0])
 
-    def _require_sessions(self) -> SessionClient:
-        if self._sessions is None:
+    def _require_sessions(self, request: Request) -> SessionClient:
+        """The sessions client of ``request``'s tenant (its API key checked first)."""
+        sessions = self._sessions_of(self._authenticate(request))
+        if sessions is None:
             raise NotFoundError("Sessions are disabled on this server (dataplane.enabled).")
-        return self._sessions
+        return sessions
 
     @fastapi_app.post("/v1/sessions")
     async def create_session(self, request: Request) -> Response:
         try:
-            sessions = self._require_sessions()
+            sessions = self._require_sessions(request)
             ttl_s = None
             if int(request.headers.get("content-length") or 0) > 0:
                 body = await self._read_json(request)
@@ -1196,17 +1271,17 @@ class IngressDeployment(Ingress):
         return JSONResponse(session_json(record), status_code=201)
 
     @fastapi_app.get("/v1/sessions/{session_id:path}")
-    async def get_session(self, session_id: str) -> Response:
+    async def get_session(self, session_id: str, request: Request) -> Response:
         try:
-            record = await self._require_sessions().get(session_id)
+            record = await self._require_sessions(request).get(session_id)
         except Exception as e:  # noqa: BLE001
             return error_response(to_api_error(e))
         return JSONResponse(session_json(record))
 
     @fastapi_app.delete("/v1/sessions/{session_id:path}")
-    async def delete_session(self, session_id: str) -> Response:
+    async def delete_session(self, session_id: str, request: Request) -> Response:
         try:
-            await self._require_sessions().delete(session_id)
+            await self._require_sessions(request).delete(session_id)
         except Exception as e:  # noqa: BLE001
             return error_response(to_api_error(e))
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})

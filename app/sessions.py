@@ -10,6 +10,7 @@ so two racing turns never interleave: the second append gets 409.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import re
 import time
@@ -18,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from app.auth import DEFAULT_TENANT
 from app.config import SessionConfig
 from app.errors import (
     ConflictError,
@@ -48,7 +50,6 @@ APPEND_BUSY_RETRIES = 3
 BUSY_BACKOFF_S = 0.25
 
 SESSION_ID_RE = re.compile(r"^sess_[0-9a-f]{32}$")
-DEFAULT_TENANT = "default"
 
 # An assistant reply in a session keeps the token ids the model generated, under this key
 # (never shown by the API). The next turn's prompt splices them back in place of the
@@ -135,6 +136,8 @@ class PendingTurn:
     # Names this turn to the data plane, so the append is safe to repeat: made again after
     # it landed, it answers that success rather than a 409 (see DataPlane.append_turn).
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Whose session (the request's API key's tenant).
+    tenant: str = DEFAULT_TENANT
 
 
 def fit_history(
@@ -180,11 +183,12 @@ class RecordCache:
     ``max_tokens`` tokens of history in all (a record counts its ``num_tokens``, at least
     1). A record is a snapshot at its version: the store's copy at the same version is the
     same, because every change of a session's history is a compare-and-set that moves the
-    version on, and ids are never reused."""
+    version on, and ids are never reused. Kept per (tenant, session id): a tenant never
+    gets another's record, whatever id it sends."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self._records: OrderedDict[str, object] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._tokens = 0
 
     def __len__(self) -> int:
@@ -198,27 +202,27 @@ class RecordCache:
     def _size(record) -> int:
         return max(1, int(record.num_tokens))
 
-    def get(self, session_id: str):
-        record = self._records.get(session_id)
+    def get(self, tenant: str, session_id: str):
+        record = self._records.get((tenant, session_id))
         if record is not None:
-            self._records.move_to_end(session_id)
+            self._records.move_to_end((tenant, session_id))
         return record
 
     def put(self, record) -> None:
         """Keep ``record`` in place of the one kept: the store's last answer wins, also one
         at a lower version (a store that lost data), which a check then sees as it is."""
-        self.drop(record.id)
+        self.drop(record.tenant, record.id)
         size = self._size(record)
         if size > self.max_tokens:
             return
-        self._records[record.id] = record
+        self._records[(record.tenant, record.id)] = record
         self._tokens += size
         while self._tokens > self.max_tokens:
             _, oldest = self._records.popitem(last=False)
             self._tokens -= self._size(oldest)
 
-    def drop(self, session_id: str) -> None:
-        record = self._records.pop(session_id, None)
+    def drop(self, tenant: str, session_id: str) -> None:
+        record = self._records.pop((tenant, session_id), None)
         if record is not None:
             self._tokens -= self._size(record)
 
@@ -250,8 +254,9 @@ class SessionClient:
         self._dp = dataplane
         self.config = config
         self.tenant = tenant
-        # What this client read or wrote last (see cached()); per client, so per tenant.
+        # What this client (and its for_tenant() siblings) read or wrote last (see cached()).
         self._records = RecordCache(config.ingress_cache_tokens)
+        self._siblings: dict[str, SessionClient] = {}
         self._m_retries = None
         try:
             import ray
@@ -356,11 +361,22 @@ class SessionClient:
             self.config.call_timeout_s,
         )
 
+    def for_tenant(self, tenant: str) -> "SessionClient":
+        """The client of ``tenant``'s sessions: the same handle, settings, metrics and
+        record cache (kept per tenant and id), every call made as ``tenant``."""
+        if tenant == self.tenant:
+            return self
+        sibling = self._siblings.get(tenant)
+        if sibling is None:  # one per tenant that sent a request (tenants come from the keys)
+            sibling = self._siblings[tenant] = copy.copy(self)
+            sibling.tenant = tenant
+        return sibling
+
     def cached(self, session_id: str):
         """The last record of this session this client read or wrote, if it still holds
         it; it may be behind the store's (another ingress replica appended a turn since),
         so a caller checks it against a read before acting on it."""
-        return self._records.get(session_id)
+        return self._records.get(self.tenant, session_id)
 
     async def create(self, ttl_s: Optional[int] = None):
         record = await self._create(ttl_s)
@@ -392,7 +408,7 @@ class SessionClient:
         check_session_id(session_id)
         record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
         if record is None:
-            self._records.drop(session_id)
+            self._records.drop(self.tenant, session_id)
             # Same answer for absent, expired and another tenant's: no existence leak.
             raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
         self._records.put(record)
@@ -418,14 +434,14 @@ class SessionClient:
                 busy_retries=APPEND_BUSY_RETRIES,
             )
         except BaseException:
-            self._records.drop(sid)
+            self._records.drop(self.tenant, sid)
             raise
         self._records.put(record)
         return record
 
     async def delete(self, session_id: str) -> bool:
         check_session_id(session_id)
-        self._records.drop(session_id)
+        self._records.drop(self.tenant, session_id)
         retried: list = []
         deleted = await self._call(
             "delete_session", session_id, self.tenant, session_id, shard_key=session_id, retried=retried

@@ -663,6 +663,7 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     served_app.client().completions.create(model=served_app.model_id, prompt="metrics", max_tokens=2, logprobs=1)
     wanted = [
         "ray_llm_request_features_total",
+        "ray_llm_prompt_tokens_total",
         "ray_llm_requests_total",
         "ray_llm_ttft_seconds_bucket",
         "ray_llm_tpot_seconds_bucket",
@@ -680,3 +681,5 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     text = r.text
     assert 'status="200"' in text
     assert any('feature="logprobs"' in line for line in text.splitlines() if "llm_request_features" in line)
+    # Usage by tenant: "default" without API keys.
+    assert any('tenant="default"' in line for line in text.splitlines() if "llm_prompt_tokens_total" in line)

@@ -7,6 +7,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+from app.auth import ApiKeys
 from app.config import AppConfig
 from app.ingress import Ingress
 from app.schemas import ChatCompletionRequest
@@ -52,6 +53,7 @@ def _ingress() -> Ingress:
     ing._config = AppConfig(model={"id": "tiny"})
     ing._stopping = set()
     ing._sessions = None
+    ing._keys = ApiKeys(env_var=None)  # none: every request is tenant "default"
     ing._router = _Router()
     ing._tracer = telemetry.tracer(__name__)
     ing._tokenizer = [None] * 100  # len(): the vocabulary's size
@@ -60,7 +62,7 @@ def _ingress() -> Ingress:
         **{k: _Recorded() for k in ("requests", "ttft", "tpot", "e2e", "prompt_tokens", "output_tokens", "session_cache")}
     )
 
-    async def slow_prompt(req, request, early_session=None):
+    async def slow_prompt(req, request, sessions, early_session=None):
         await asyncio.sleep(PROMPT_DELAY_S)  # a slow session read, a long history to tokenise
         return [1, 2, 3], None, None
 

@@ -14,8 +14,11 @@ from app.sessions import PendingTurn, RecordCache, SessionClient
 from deployments.dataplane.types import SessionRecord
 
 
-def rec(sid: str, version: int, num_tokens: int) -> SessionRecord:
-    return SessionRecord(id=sid, tenant="default", num_tokens=num_tokens, version=version)
+T = "default"
+
+
+def rec(sid: str, version: int, num_tokens: int, tenant: str = T) -> SessionRecord:
+    return SessionRecord(id=sid, tenant=tenant, num_tokens=num_tokens, version=version)
 
 
 def sid(i: int) -> str:
@@ -27,28 +30,28 @@ def test_bounded_by_tokens_oldest_used_goes_first():
     for i in range(3):
         cache.put(rec(sid(i), 1, 40))
     # 120 tokens > 100: the first one went.
-    assert cache.get(sid(0)) is None and len(cache) == 2 and cache.num_tokens == 80
-    cache.get(sid(1))  # used: now the newest
+    assert cache.get(T, sid(0)) is None and len(cache) == 2 and cache.num_tokens == 80
+    cache.get(T, sid(1))  # used: now the newest
     cache.put(rec(sid(3), 1, 40))
-    assert cache.get(sid(2)) is None and cache.get(sid(1)) is not None
+    assert cache.get(T, sid(2)) is None and cache.get(T, sid(1)) is not None
     # One record over the whole budget is not kept (and evicts nothing).
     cache.put(rec(sid(4), 1, 101))
-    assert cache.get(sid(4)) is None and len(cache) == 2
+    assert cache.get(T, sid(4)) is None and len(cache) == 2
     # Zero tokens counts as one, so a budget of 0 keeps nothing.
     off = RecordCache(max_tokens=0)
     off.put(rec(sid(5), 0, 0))
-    assert off.get(sid(5)) is None
+    assert off.get(T, sid(5)) is None
 
 
 def test_the_last_record_put_wins_and_tokens_are_counted_once():
     cache = RecordCache(max_tokens=1000)
     cache.put(rec(sid(1), 5, 10))
     cache.put(rec(sid(1), 4, 9))  # the store's answer, even behind: a check compares it
-    assert cache.get(sid(1)).version == 4 and cache.num_tokens == 9
+    assert cache.get(T, sid(1)).version == 4 and cache.num_tokens == 9
     cache.put(rec(sid(1), 6, 12))
-    assert cache.get(sid(1)).version == 6 and cache.num_tokens == 12
-    cache.drop(sid(1))
-    assert cache.get(sid(1)) is None and cache.num_tokens == 0
+    assert cache.get(T, sid(1)).version == 6 and cache.num_tokens == 12
+    cache.drop(T, sid(1))
+    assert cache.get(T, sid(1)) is None and cache.num_tokens == 0
 
 
 class _DataPlane:
@@ -126,3 +129,34 @@ def test_a_zero_budget_keeps_nothing():
     client = SessionClient(dp, SessionConfig(ingress_cache_tokens=0))
     asyncio.run(client.get(S))
     assert client.cached(S) is None
+
+
+def test_each_tenant_has_its_own_records_and_calls():
+    """``for_tenant``: siblings share one cache, keyed by tenant and id, and each makes
+    its calls as its own tenant. One tenant sending another's session id gets the
+    store's answer for itself (none), never the other's record, and leaves it cached."""
+    calls = []
+
+    def get_session(tenant, session_id, *_, **__):
+        calls.append(("get", tenant))
+        return rec(session_id, 2, 10, tenant) if tenant == "a" else None
+
+    def append_turn(tenant, session_id, expected, messages, num_tokens, **_):
+        calls.append(("append", tenant))
+        return rec(session_id, expected + 1, 10 + num_tokens, tenant)
+
+    client = SessionClient(_DataPlane(get_session=get_session, append_turn=append_turn), SessionConfig())
+    a, b = client.for_tenant("a"), client.for_tenant("b")
+    assert client.for_tenant("a") is a and client.for_tenant(T) is client and (a.tenant, b.tenant) == ("a", "b")
+
+    async def main():
+        held = await a.get(S)
+        assert a.cached(S) is held and b.cached(S) is None and client.cached(S) is None
+        with pytest.raises(NotFoundError):
+            await b.get(S)
+        assert a.cached(S) is held  # b's 404 dropped only b's (absent) record
+        appended = await a.append(PendingTurn(S, 2, [], tenant="a"), [], 5)
+        assert a.cached(S) is appended and b.cached(S) is None
+
+    asyncio.run(main())
+    assert calls == [("get", "a"), ("get", "b"), ("append", "a")]

@@ -552,6 +552,11 @@ class VLLMEngine(Engine):
             kwargs["structured_outputs"] = v["StructuredOutputsParams"](**kwargs["structured_outputs"])
         params = v["SamplingParams"](**kwargs, output_kind=v["DELTA"], extra_args=extra)
         prompt = v["TokensPrompt"](prompt_token_ids=list(request.prompt_token_ids))
+        if request.tenant and request.tenant != "default":
+            # vLLM's own prefix cache (L1), salted per tenant as the data plane's block
+            # hashes are: a tenant's prompt never reuses, nor times the presence of,
+            # another tenant's blocks.
+            prompt["cache_salt"] = request.tenant
         num_prompt = len(request.prompt_token_ids)
         num_output = 0
         got_output = False

@@ -1,0 +1,173 @@
+"""API keys → tenants through a real Serve application (``security.api_keys_file``): the
+401s, a key's tenant scoping its sessions and KV blocks, and a key revoked in the file
+without a restart. Each engine in turn; the app runs beside the shared one."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.fixtures.models import get_model_path
+from tests.fixtures.serve_app import (
+    ENGINE_ARGS,
+    app_args,
+    deployed_app,
+    openai_client,
+    vllm_importable,
+    wait_for,
+    worker_handle,
+)
+
+APP_NAME = "keyed"
+ROUTE_PREFIX = "/keyed"
+ACME = "acme-0123456789abcdef"
+GLOBEX = "globex-0123456789abcdef"
+RELOAD_S = 0.5
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINE_ARGS))
+def keyed_app(request, tmp_path_factory, ray_cluster, redis_server, http_port):
+    engine = request.param
+    if engine == "vllm" and not vllm_importable():
+        pytest.skip("vLLM is not installed here")
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    keys_file.write_text(f"# tenant:key\nacme:{ACME}\nglobex:{GLOBEX}\n")
+    args = app_args(
+        get_model_path("tiny"),
+        redis_server.url,
+        engine=ENGINE_ARGS[engine],
+        security={"api_keys_file": str(keys_file), "reload_interval_s": RELOAD_S},
+    )
+    with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
+        yield engine, base_url, keys_file
+
+
+def test_a_request_without_a_known_key_is_401_and_probes_need_none(keyed_app):
+    _, base, _ = keyed_app
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for path in ("/health", "/ready"):
+            assert http.get(path).status_code == 200, path
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+        for headers, code in [
+            ({}, "missing_api_key"),
+            ({"Authorization": f"Basic {ACME}"}, "missing_api_key"),
+            ({"Authorization": "Bearer not-a-key-of-this-server"}, "invalid_api_key"),
+        ]:
+            for method, path, kw in [
+                ("POST", "/v1/completions", {"json": body}),
+                ("POST", "/v1/chat/completions", {"json": {**body, "messages": [{"role": "user", "content": "x"}]}}),
+                ("GET", "/v1/models", {}),
+                ("GET", "/v1/models/tiny-llama", {}),
+                ("POST", "/v1/sessions", {}),
+                ("GET", "/v1/sessions/sess_" + "0" * 32, {}),
+                ("DELETE", "/v1/sessions/sess_" + "0" * 32, {}),
+            ]:
+                r = http.request(method, path, headers=headers, **kw)
+                assert r.status_code == 401, (method, path, r.text)
+                assert r.json()["error"]["code"] == code and r.headers["www-authenticate"].startswith("Bearer")
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {ACME}"}).status_code == 200
+    # The openai client sends its api_key as the Bearer key.
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(base, api_key="wrong-key-0123456789").models.list()
+    reply = openai_client(base, api_key=ACME).completions.create(model="tiny-llama", prompt="hi", max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+    def counted(text: str) -> bool:
+        lines = text.splitlines()
+        return any('tenant="acme"' in line for line in lines if line.startswith("ray_llm_generation_tokens_total")) and any(
+            'reason="invalid"' in line for line in lines if line.startswith("ray_llm_auth_failures_total"))
+
+    # /metrics takes no key; the nodes export every second.
+    wait_for(lambda: counted(httpx.get(base + "/metrics", timeout=60).text), 90, "acme's tokens and the 401s in /metrics")
+
+
+def test_a_tenant_neither_reads_nor_detects_another_tenants_session(keyed_app):
+    _, base, _ = keyed_app
+    acme, globex = (openai_client(base, api_key=k) for k in (ACME, GLOBEX))
+    auth = {k: {"Authorization": f"Bearer {v}"} for k, v in (("acme", ACME), ("globex", GLOBEX))}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        sid = http.post("/v1/sessions", headers=auth["acme"]).json()["id"]
+        first = acme.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "acme's secret plan"}],
+            max_tokens=4, temperature=0, extra_headers={"X-Session-Id": sid},
+        )
+        assert first.choices[0].message.content
+        absent = "sess_" + "f" * 32
+        for method in ("GET", "DELETE"):
+            theirs = http.request(method, f"/v1/sessions/{sid}", headers=auth["globex"])
+            nobody = http.request(method, f"/v1/sessions/{absent}", headers=auth["globex"])
+            # The same answer as for a session that does not exist (only the id differs).
+            assert theirs.status_code == nobody.status_code == 404
+            assert theirs.json()["error"]["message"].replace(sid, absent) == nobody.json()["error"]["message"]
+        # A turn on it (header or body) is the same 404 and appends nothing.
+        for extra in ({"extra_headers": {"X-Session-Id": sid}}, {"extra_body": {"session_id": sid}}):
+            with pytest.raises(openai.NotFoundError):
+                globex.chat.completions.create(
+                    model="tiny-llama", messages=[{"role": "user", "content": "let me in"}], max_tokens=2, **extra
+                )
+        mine = http.get(f"/v1/sessions/{sid}", headers=auth["acme"]).json()
+        assert mine["version"] == 1 and [m["content"] for m in mine["messages"]][0] == "acme's secret plan"
+        # Its own session of the same name space works as usual.
+        own = http.post("/v1/sessions", headers=auth["globex"]).json()["id"]
+        assert http.get(f"/v1/sessions/{own}", headers=auth["globex"]).status_code == 200
+        assert http.get(f"/v1/sessions/{own}", headers=auth["acme"]).status_code == 404
+
+
+def test_a_tenant_reuses_its_own_kv_blocks_and_never_anothers(keyed_app):
+    """The same prompt from two tenants: the data plane holds the first tenant's blocks
+    under its name only, so the second tenant's first request finds and reuses none of
+    them, and each tenant's second request reuses its own (unless importing them was
+    measured slower than their prefill). vLLM salts its own prefix cache with the tenant;
+    its requests must still be served alike."""
+    from ray import serve
+
+    from deployments.compute.engines.kv import block_hashes
+
+    engine, base, _ = keyed_app
+    prompt = list(range(100, 100 + 4 * 16 + 1))  # 4 whole blocks before the last token
+    clients = {"acme": openai_client(base, api_key=ACME), "globex": openai_client(base, api_key=GLOBEX)}
+
+    def ask(tenant: str) -> str:
+        reply = clients[tenant].completions.create(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0)
+        return reply.choices[0].text
+
+    if engine != "torch":
+        assert len({ask("acme"), ask("globex"), ask("acme")}) == 1
+        return
+    worker = worker_handle(APP_NAME)
+    dataplane = serve.get_deployment_handle("DataPlane", app_name=APP_NAME)
+    hashes = {t: block_hashes("tiny-llama", t, prompt[:-1], 16) for t in clients}
+
+    def stored(tenant: str) -> int:
+        h = hashes[tenant]
+        return dataplane.lookup_prefix.remote(tenant, h, shard_key=h[0]).result(timeout_s=30).num_blocks
+
+    texts = []
+    for tenant in ("acme", "globex"):
+        assert stored(tenant) == 0, tenant  # the other tenant's blocks are not this one's
+        before = worker.kv_stats.remote().result(timeout_s=30)
+        texts.append(ask(tenant))
+        mid = worker.kv_stats.remote().result(timeout_s=30)
+        assert mid["prefix_hit_tokens"] == before["prefix_hit_tokens"], (tenant, before, mid)
+        wait_for(lambda: stored(tenant) == 4, 30, f"{tenant}'s blocks in the data plane")
+        texts.append(ask(tenant))
+        after = worker.kv_stats.remote().result(timeout_s=30)
+        reused = after["prefix_hit_tokens"] - mid["prefix_hit_tokens"]
+        assert reused == 4 * 16 or after["fetch_skipped"] - mid["fetch_skipped"] == 1, (tenant, mid, after)
+    assert len(set(texts)) == 1
+
+
+def test_a_key_revoked_in_the_file_is_refused_without_a_restart(keyed_app):
+    _, base, keys_file = keyed_app
+    headers = {"Authorization": f"Bearer {GLOBEX}"}
+    assert httpx.get(base + "/v1/models", headers=headers, timeout=30).status_code == 200
+    keys_file.write_text(f"acme:{ACME}\n")
+    stamp = time.time() + 2  # a new mtime even on a coarse file system
+    os.utime(keys_file, (stamp, stamp))
+    wait_for(lambda: httpx.get(base + "/v1/models", headers=headers, timeout=30).status_code == 401,
+             10 * RELOAD_S + 10, "globex's key refused")
+    assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {ACME}"}, timeout=30).status_code == 200

@@ -208,6 +208,13 @@ class _Metrics:
         self.output_tokens = metrics.Counter(
             "llm_generation_tokens", "Generated tokens, by endpoint and tenant.", tag_keys=("endpoint", "tenant")
         )
+        self.cached_tokens = metrics.Counter(
+            "llm_prompt_cached_tokens",
+            "Prompt tokens whose KV was reused (an engine's prefix cache, the data plane's "
+            "L2/L3) instead of prefilled, by endpoint and tenant; over llm_prompt_tokens: "
+            "the cache's hit rate.",
+            tag_keys=("endpoint", "tenant"),
+        )
         self.auth_failures = metrics.Counter(
             "llm_auth_failures",
             "Requests refused 401 by API key: reason=missing (no Bearer key) or invalid (no "
@@ -311,6 +318,7 @@ class _Call:
         self.received = self.started = time.monotonic()
         self.first_token_at: Optional[float] = None
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
         self.turn: Optional[PendingTurn] = None
@@ -335,6 +343,7 @@ class _Call:
         )
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
 class _LocalStream:
@@ -763,6 +772,8 @@ class Ingress:
         self._m.e2e.observe(end - call.received, tags=tags)
         usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant}
         self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=usage_tags)
+        if call.num_cached_tokens:
+            self._m.cached_tokens.inc(call.num_cached_tokens, tags=usage_tags)
         if num_output:
             self._m.output_tokens.inc(num_output, tags=usage_tags)
         # Only a streamed request has a first token the client sees (a buffered one gets
@@ -776,13 +787,14 @@ class Ingress:
                         (end - c.first_token_at) / (c.num_output_tokens - 1), tags=tags
                     )
         logger.info(
-            "request done: id=%s endpoint=%s tenant=%s n=%d prompt_tokens=%d output_tokens=%d "
-            "finish=%s prompt_ms=%.1f ttft_ms=%.1f e2e_ms=%.1f trace=%s",
+            "request done: id=%s endpoint=%s tenant=%s n=%d prompt_tokens=%d cached_tokens=%d "
+            "output_tokens=%d finish=%s prompt_ms=%.1f ttft_ms=%.1f e2e_ms=%.1f trace=%s",
             call.request_id,
             call.endpoint,
             call.tenant,
             len(calls),
             call.num_prompt_tokens,
+            call.num_cached_tokens,
             num_output,
             ",".join(str(c.finish_reason) for c in calls),
             1000 * (call.started - call.received),
@@ -793,10 +805,16 @@ class Ingress:
 
     @staticmethod
     def _usage(calls: list[_Call]) -> dict:
-        # The prompt is counted once, as OpenAI does for n > 1.
+        # The prompt is counted once, as OpenAI does for n > 1; so are its cached tokens
+        # (OpenAI's prompt caching field: KV reused instead of prefilled).
         prompt = calls[0].num_prompt_tokens
         completion = sum(c.num_output_tokens for c in calls)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": calls[0].num_cached_tokens},
+        }
 
     # ---- generation -------------------------------------------------------------------
 

@@ -141,6 +141,13 @@ def test_session_turn_equals_stateless_request_with_the_same_tokens(served_app):
         assert after["arena_capacity_bytes"] > 0, after
         assert after["arena_fallbacks"] == before["arena_fallbacks"], (before, after)
         assert after["arena_capacity_bytes"] in _arena_capacities(served_app)
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens whose KV was reused.
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)]
+    if torch_engine:
+        assert sum(cached) == after["prefix_hit_tokens"] - before["prefix_hit_tokens"], (cached, before, after)
+    else:
+        # vLLM's prefix cache holds the first turn's prompt: whole blocks of it at least.
+        assert cached[1] >= 16 * (first.usage.prompt_tokens // 16) > 0, cached
     messages = stored_record(served_app, sid).messages
     history = messages[:2]
     assert history[1]["content"] == first.choices[0].message.content

@@ -86,7 +86,8 @@ async def test_normal_stream_has_finish_usage_and_done():
     stream = FakeStream([TokenDelta("b", [2], "length", 3, 2)])
     out = events(await collect(ing, req, TokenDelta("a", [1], None, 3, 1), stream))
     assert out[1]["choices"][0]["finish_reason"] == "length"
-    assert out[2]["choices"] == [] and out[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert out[2]["choices"] == [] and out[2]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
     assert out[-1] == "[DONE]"
     assert not stream.cancelled and stream.ended
 
@@ -170,7 +171,8 @@ async def test_n_choices_stream_with_their_index_and_usage_sums_them():
         if choice["finish_reason"]:
             finish[choice["index"]] = choice["finish_reason"]
     assert by_index == {0: "abc", 1: "xy"} and finish == {0: "length", 1: "stop"}
-    assert out[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert out[-2]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
     assert out[-1] == "[DONE]"
     assert all(s.ended for s in streams)
 

@@ -115,6 +115,9 @@ class TokenDelta:
     num_output_tokens: int = 0
     # One entry per id in token_ids when the request asked for logprobs, else None.
     logprobs: Optional[list[TokenLogprobs]] = None
+    # Prompt tokens whose KV came from a cache instead of a prefill (the engine's own
+    # prefix cache, or the data plane's L2/L3); known from the first delta on.
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

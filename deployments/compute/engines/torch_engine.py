@@ -1203,6 +1203,7 @@ class TorchEngine(Engine):
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
             logprobs=None if params.logprobs is None else [req.pending_logprobs],
+            num_cached_tokens=req.num_imported_tokens,
         )
         if finish is not None:
             if self._kv is not None:
@@ -1303,4 +1304,5 @@ def _coalesce(items: list[Union[TokenDelta, BaseException]]) -> TokenDelta:
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         logprobs=None if last.logprobs is None else [e for d in items for e in d.logprobs or ()],
+        num_cached_tokens=last.num_cached_tokens,
     )

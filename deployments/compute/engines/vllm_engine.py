@@ -597,6 +597,8 @@ class VLLMEngine(Engine):
                     num_prompt_tokens=num_prompt,
                     num_output_tokens=num_output,
                     logprobs=None if k is None else delta_logprobs(token_ids, completion.logprobs, k),
+                    # vLLM's prefix cache hits, its connector's loads from the data plane included.
+                    num_cached_tokens=out.num_cached_tokens or 0,
                 )
                 if reason is not None:
                     return

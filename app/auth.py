@@ -49,11 +49,12 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def parse_keys(text: str, source: str) -> dict[bytes, str]:
+def parse_keys(text: str, source: str, comments: bool = False) -> dict[bytes, str]:
     """``{sha256(key): tenant}`` of the ``tenant:key`` entries in ``text`` (``source``
-    names it in errors: the variable or the file)."""
+    names it in errors: the variable or the file; ``comments``: '#' starts one, as in the
+    file)."""
     keys: dict[bytes, str] = {}
-    lines = [line.split("#", 1)[0] if source.startswith("file") else line for line in text.splitlines()]
+    lines = [line.split("#", 1)[0] if comments else line for line in text.splitlines()]
     entries = [e for e in _SEPARATORS.split(" ".join(lines)) if e]
     for number, entry in enumerate(entries, 1):
         tenant, sep, key = entry.partition(":")
@@ -89,12 +90,13 @@ class ApiKeys:
     env_var: Optional[str] = "LLM_API_KEYS"
     path: Optional[str] = None
     reload_interval_s: float = 5.0
-    _from_env: dict[bytes, str] = field(default_factory=dict)
-    _from_file: dict[bytes, str] = field(default_factory=dict)
-    _keys: dict[bytes, str] = field(default_factory=dict)
-    _file_stamp: Optional[tuple] = None
-    _checked_at: float = 0.0
-    _file_error: Optional[str] = None
+    # What was read (key digest → tenant), and when and what of the file.
+    _from_env: dict[bytes, str] = field(default_factory=dict, init=False)
+    _from_file: dict[bytes, str] = field(default_factory=dict, init=False)
+    _keys: dict[bytes, str] = field(default_factory=dict, init=False)
+    _file_stamp: Optional[tuple] = field(default=None, init=False)
+    _checked_at: float = field(default=0.0, init=False)
+    _file_error: Optional[str] = field(default=None, init=False)
 
     @classmethod
     def from_config(cls, security) -> "ApiKeys":
@@ -123,7 +125,7 @@ class ApiKeys:
 
     def _read_file(self) -> None:
         stamp = self._stamp()
-        self._from_file = parse_keys(Path(self.path).read_text(encoding="utf-8"), f"file {self.path}")
+        self._from_file = parse_keys(Path(self.path).read_text(encoding="utf-8"), f"file {self.path}", comments=True)
         self._file_stamp = stamp
 
     def _maybe_reload(self) -> None:

@@ -31,8 +31,8 @@ from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import serve_context, telemetry
-from app.config import AppConfig
 from app.auth import DEFAULT_TENANT, ApiKeys
+from app.config import AppConfig
 from app.errors import (
     APIError,
     AuthenticationError,

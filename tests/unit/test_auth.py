@@ -38,7 +38,7 @@ def test_entries_are_tenant_colon_key_separated_by_whitespace_or_commas():
     assert sorted(keys.values()) == ["acme", "acme", "globex"]
     assert KEY_A.encode() not in b"".join(keys)  # digests only
     # In a file, '#' starts a comment (a key may hold '#' in the variable).
-    assert parse_keys(f"# who\nacme:{KEY_A}  # the first\n\n", "file k") == parse_keys(f"acme:{KEY_A}", "$X")
+    assert parse_keys(f"# who\nacme:{KEY_A}  # the first\n\n", "file k", comments=True) == parse_keys(f"acme:{KEY_A}", "$X")
 
 
 @pytest.mark.parametrize(

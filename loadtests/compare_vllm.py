@@ -99,6 +99,8 @@ def vllm_flags(model_path: Path, args) -> list[str]:
             continue
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]  # vLLM parses a config flag's value as JSON
         else:
             flags += [flag, str(value)]
     return flags

@@ -375,3 +375,22 @@ def test_the_further_sampling_controls_reach_vllm_only_when_set():
         "repetition_penalty": 1.1, "logit_bias": {3: 1.0}, "min_tokens": 2}
     plain = sampling_params_kwargs(SamplingParams(max_tokens=3))
     assert not {"top_k", "min_p", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"} & set(plain)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_benchmarks_vllm_serve_flags_parse_as_our_engine_args(tiny_model_path):
+    """``loadtests.compare_vllm`` runs plain vLLM with our engine arguments as
+    ``api_server`` flags: vLLM's own parser takes them and gives the same values (a dict
+    went as its Python repr once, and vLLM's server exited at start)."""
+    import argparse
+
+    from loadtests import compare_vllm
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = argparse.Namespace(max_num_seqs=32, kv_gib=1.0, output_len=64)
+    flags = compare_vllm.vllm_flags(tiny_model_path, args)
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(flags)
+    assert parsed.structured_outputs_config.backend == "xgrammar"
+    assert parsed.structured_outputs_config.disable_any_whitespace is True
+    assert (parsed.max_num_seqs, parsed.enable_prefix_caching, parsed.dtype) == (32, True, "float32")

@@ -1542,11 +1542,14 @@ class DataPlane(DrainsOnStop):
         await self.start()
         key = (tenant, session_id)
         try:
-            # Full or read-only (known, or found by this read's refresh of the expiry, a
-            # write): read it without the refresh.
-            touch = not self._refusing(SESSIONS)
+            # The read refreshes the expiry, a write; refused (full, read-only), the
+            # record is read without it and marked: a turn on it would be refused too.
+            # Tried even while a refusal is known (one round trip more), so that a turn
+            # read just after the server took writes again is not refused on an old
+            # state before the write probe notices.
+            touch = True
             try:
-                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=touch)
+                rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=True)
             except RedisRefused:
                 touch = False
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)

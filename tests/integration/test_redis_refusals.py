@@ -158,7 +158,8 @@ async def test_the_data_plane_answers_503_keeps_blocks_and_catches_up(mode):
 
 async def test_a_read_finds_the_refusal_itself_and_still_answers():
     """Before any probe (a long reconnect interval): a session read's expiry refresh is
-    refused, the read answers anyway, and the replica now reports the refusal."""
+    refused, the read answers anyway (its record marked), and the replica now reports
+    the refusal; once the server takes writes again, the next read is not marked."""
     async with dataplane(300) as (dp, client):
         await dp.create_session(TENANT, session_id=SID)
         assert (await dp.append_turn(TENANT, SID, 0, TURN, 7)).version == 1
@@ -167,6 +168,12 @@ async def test_a_read_finds_the_refusal_itself_and_still_answers():
             got = await dp.get_session(TENANT, SID)
             assert (got.version, got.messages, got.writes_refused) == (1, TURN, True)
             assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
+        # It takes writes again before any probe noticed: a read's refresh is taken, and
+        # its record is not marked (a turn on it goes ahead), while the status waits
+        # for the probe, which also writes back what waited.
+        got = await dp.get_session(TENANT, SID)
+        assert (got.version, got.writes_refused) == (1, False)
+        assert (await dp.status())["refusing_writes"] == ["kv", "sessions"]
 
 
 async def test_a_server_busy_with_a_script_is_unavailable_until_it_is_killed():

@@ -59,7 +59,8 @@ class InvalidRequestError(APIError):
 
 class AuthenticationError(APIError):
     status_code = 401
-    error_type = "authentication_error"
+    # What OpenAI answers a missing or wrong key with (the code tells them apart).
+    error_type = "invalid_request_error"
 
 
 class NotFoundError(APIError):

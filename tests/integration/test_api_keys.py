@@ -69,6 +69,7 @@ def test_a_request_without_a_known_key_is_401_and_probes_need_none(keyed_app):
                 r = http.request(method, path, headers=headers, **kw)
                 assert r.status_code == 401, (method, path, r.text)
                 assert r.json()["error"]["code"] == code and r.headers["www-authenticate"].startswith("Bearer")
+                assert r.json()["error"]["type"] == "invalid_request_error"  # as OpenAI's 401s
         assert http.get("/v1/models", headers={"Authorization": f"Bearer {ACME}"}).status_code == 200
     # The openai client sends its api_key as the Bearer key.
     with pytest.raises(openai.AuthenticationError):

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import AsyncIterator, Optional
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -573,13 +574,20 @@ class Ingress:
         )
 
     def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
-        if any(TOKEN_IDS_KEY in m for m in messages):
-            return exact_prompt_ids(self._tokenizer, messages)
         try:
+            if any(TOKEN_IDS_KEY in m for m in messages):
+                return exact_prompt_ids(self._tokenizer, messages)
             text = self._tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
-        except Exception as e:  # noqa: BLE001 - jinja's errors: the messages do not fit the template
+        except jinja2.TemplateError as e:
+            # The template's own refusal (its raise_exception: roles that do not alternate,
+            # a system role it does not take...) or a value it cannot render: the
+            # messages' fault, not the server's.
+            raise InvalidRequestError(
+                f"The model's chat template rejects these messages: {str(e)[:500]}", param="messages"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - the tool fields the template was given
             if not tools and not any("tool_calls" in m for m in messages):
                 raise
             raise InvalidRequestError(f"The chat template cannot render these tools or tool calls: {e}",

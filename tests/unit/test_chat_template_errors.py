@@ -1,0 +1,56 @@
+"""A model's chat template that refuses the messages (its ``raise_exception``: roles that
+do not alternate, a system role it does not take) is the request's fault: a 400 naming
+``messages`` with the template's own words, never a 500. The tiny model's tokenizer with
+such a template (as Mistral's and Gemma's templates do), through the ingress's prompt
+building, stateless and in a session (the reply ids spliced in)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.errors import InvalidRequestError
+from app.ingress import Ingress
+from app.sessions import TOKEN_IDS_KEY
+
+STRICT = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System role not supported past the first message') }}{% endif %}"
+    "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture
+def ingress(tiny_model_path):
+    ing = Ingress.__new__(Ingress)
+    ing._tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path))
+    ing._tokenizer.chat_template = STRICT
+    return ing
+
+
+def test_messages_the_template_takes_are_rendered(ingress):
+    ids = ingress._chat_prompt_ids([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                                    {"role": "user", "content": "and?"}])
+    assert ingress._tokenizer.decode(ids) == "<|user|>hi<|assistant|>yo<|user|>and?<|assistant|>"
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "roles must alternate"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "System role not supported"),
+        # A session's history with a stored reply's ids, then a message out of turn.
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", TOKEN_IDS_KEY: [5, 6]},
+          {"role": "assistant", "content": "again"}], "roles must alternate"),
+    ],
+)
+def test_messages_the_template_refuses_are_a_400_in_its_words(ingress, messages, says):
+    with pytest.raises(InvalidRequestError) as e:
+        ingress._chat_prompt_ids(messages)
+    assert e.value.status_code == 400 and e.value.param == "messages"
+    assert e.value.message.startswith("The model's chat template rejects these messages: ") and says in e.value.message

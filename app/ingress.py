@@ -574,6 +574,13 @@ class Ingress:
         )
 
     def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        if not self._tokenizer.chat_template:
+            # A base model's checkpoint: transformers has no default template to fall back on.
+            raise InvalidRequestError(
+                "This model has no chat template (its tokenizer_config.json sets none), so it "
+                "cannot take chat messages; send a prompt to /v1/completions instead.",
+                param="messages",
+            )
         try:
             if any(TOKEN_IDS_KEY in m for m in messages):
                 return exact_prompt_ids(self._tokenizer, messages)

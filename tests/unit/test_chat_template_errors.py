@@ -54,3 +54,11 @@ def test_messages_the_template_refuses_are_a_400_in_its_words(ingress, messages,
         ingress._chat_prompt_ids(messages)
     assert e.value.status_code == 400 and e.value.param == "messages"
     assert e.value.message.startswith("The model's chat template rejects these messages: ") and says in e.value.message
+
+
+def test_a_model_without_a_chat_template_says_so_for_chat(ingress):
+    ingress._tokenizer.chat_template = None
+    with pytest.raises(InvalidRequestError) as e:
+        ingress._chat_prompt_ids([{"role": "user", "content": "hi"}])
+    assert e.value.param == "messages" and "no chat template" in e.value.message
+    assert "/v1/completions" in e.value.message

@@ -1130,7 +1130,12 @@ class Ingress:
         texts: list[list[str]] = [[] for _ in calls]
         opened = [False] * len(calls)
 
-        def chunks(index: int, text: str, finish: Optional[str]) -> list[bytes]:
+        def chunks(index: int, delta: TokenDelta) -> list[bytes]:
+            """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
+            no end: its logprobs go with the next chunk)."""
+            if want_logprobs and delta.logprobs:
+                carried[index].extend(zip(delta.token_ids, delta.logprobs))
+            text, finish = delta.text, delta.finish_reason
             if not tool_mode:
                 return [chunk(index, text, finish)] if text or finish else []
             if tool_mode == "named":
@@ -1162,13 +1167,11 @@ class Ingress:
                 delta = firsts[0]
                 while True:
                     parts.append(delta.text)
-                    if want_logprobs and delta.logprobs:
-                        carried[0].extend(zip(delta.token_ids, delta.logprobs))
                     if delta.finish_reason is not None:
                         # The turn is stored before the final chunk, so a client that saw
                         # finish_reason knows its turn is in the session (or gets the 409).
                         await self._commit_turn(call, "".join(parts))
-                    for c in chunks(0, delta.text, delta.finish_reason):
+                    for c in chunks(0, delta):
                         yield c
                     if delta.finish_reason is not None:
                         break
@@ -1192,9 +1195,7 @@ class Ingress:
                 for i, first in enumerate(firsts):
                     if chat:
                         yield chunk(i, "", None, role=True)
-                    if want_logprobs and first.logprobs:
-                        carried[i].extend(zip(first.token_ids, first.logprobs))
-                    for c in chunks(i, first.text, first.finish_reason):
+                    for c in chunks(i, first):
                         yield c
                 open_choices = sum(1 for f in firsts if f.finish_reason is None)
                 tasks = [asyncio.ensure_future(read(i)) for i, f in enumerate(firsts) if f.finish_reason is None]
@@ -1202,9 +1203,7 @@ class Ingress:
                     i, item = await queue.get()
                     if isinstance(item, Exception):
                         raise item
-                    if want_logprobs and item.logprobs:
-                        carried[i].extend(zip(item.token_ids, item.logprobs))
-                    for c in chunks(i, item.text, item.finish_reason):
+                    for c in chunks(i, item):
                         yield c
                     if item.finish_reason is not None:
                         open_choices -= 1

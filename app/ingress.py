@@ -52,6 +52,7 @@ from app.sessions import (
     exact_prompt_ids,
     fit_history,
     reply_token_ids,
+    session_create_ttl,
     session_json,
 )
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
@@ -431,7 +432,8 @@ class Ingress:
         """The sessions client of ``tenant`` (None while sessions are off)."""
         return None if self._sessions is None else self._sessions.for_tenant(tenant)
 
-    async def _read_json(self, request: Request) -> dict:
+    async def _read_json(self, request: Request, allow_empty: bool = False) -> dict:
+        """The request's body, a JSON object (``allow_empty``: no body at all is ``{}``)."""
         limit = self._config.limits.max_request_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -443,6 +445,8 @@ class Ingress:
             body += chunk
             if len(body) > limit:
                 raise PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes.")
+        if allow_empty and not body.strip():
+            return {}
         too_deep = f"Request body nests JSON deeper than {MAX_JSON_DEPTH} levels."
         try:
             data = json.loads(body)
@@ -1291,13 +1295,10 @@ class IngressDeployment(Ingress):
     async def create_session(self, request: Request) -> Response:
         try:
             sessions = self._require_sessions(request)
-            ttl_s = None
-            if int(request.headers.get("content-length") or 0) > 0:
-                body = await self._read_json(request)
-                ttl_s = body.get("ttl_s")
-                if ttl_s is not None and (not isinstance(ttl_s, int) or not 1 <= ttl_s <= 30 * 86_400):
-                    raise InvalidRequestError("ttl_s must be an integer in [1, 2592000].", param="ttl_s")
-            record = await sessions.create(ttl_s)
+            # A body sent without a content-length (chunked) is read too: it was
+            # ignored, and its ttl_s with it.
+            body = await self._read_json(request, allow_empty=True)
+            record = await sessions.create(session_create_ttl(body))
         except Exception as e:  # noqa: BLE001
             return error_response(to_api_error(e))
         return JSONResponse(session_json(record), status_code=201)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import re
 import time
@@ -113,6 +114,34 @@ def check_writable(record) -> None:
     generated; so the turn is refused before any compute, with the same answer."""
     if record.writes_refused:
         raise RedisRefused.of()
+
+
+MAX_SESSION_TTL_S = 30 * 86_400
+
+
+def session_create_ttl(body: dict) -> Optional[int]:
+    """The ``ttl_s`` of a ``POST /v1/sessions`` body (None: the configured default), or a
+    400 naming what is wrong. The body takes ``ttl_s`` alone: any other field is refused,
+    since quietly dropping it (a ``messages`` meant as the session's start, a misspelt
+    ``ttl``) would give the client a session other than the one it asked for. ``ttl_s``
+    is an integer, a JSON ``true`` or ``1.5`` included: Python's ``bool`` is an ``int``,
+    and ``true`` made a session that expired after one second."""
+    unknown = sorted(k for k in body if k != "ttl_s")
+    if unknown:
+        hint = (
+            " A session starts empty: send its first messages (a system message too) in its "
+            "first chat turn." if "messages" in unknown else ""
+        )
+        raise InvalidRequestError(
+            f"Unknown field '{unknown[0][:80]}': a session takes only 'ttl_s'.{hint}",
+            param=unknown[0][:80],
+        )
+    ttl_s = body.get("ttl_s")
+    if ttl_s is not None and (type(ttl_s) is not int or not 1 <= ttl_s <= MAX_SESSION_TTL_S):
+        raise InvalidRequestError(
+            f"ttl_s must be an integer in [1, {MAX_SESSION_TTL_S}], got {json.dumps(ttl_s)[:40]}.", param="ttl_s"
+        )
+    return ttl_s
 
 
 def check_session_id(session_id: str) -> str:

@@ -463,6 +463,34 @@ def test_a_session_turn_checks_its_body_before_its_session(served_app):
     assert get_session(served_app, sid).json()["version"] == 1
 
 
+def test_a_session_create_body_is_read_whole_and_checked(served_app):
+    """POST /v1/sessions reads a body sent chunked (no content-length) as well as one with
+    a length, and refuses what it would otherwise drop: a body sent chunked was ignored
+    (its ttl_s, even an invalid one, with it), an unknown field was ignored, and
+    ``"ttl_s": true`` made a session that expired after a second."""
+    url = served_app.base_url + "/v1/sessions"
+    headers = {"content-type": "application/json"}
+    r = httpx.post(url, content=iter([b'{"ttl_s": ', b"0}"]), headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_s", r.text
+    r = httpx.post(url, content=iter([b'{"ttl_s": ', b"77}"]), headers=headers, timeout=30)
+    assert r.status_code == 201, r.text
+    assert r.json()["expires_at"] - r.json()["created"] in (76, 77, 78), r.text
+    for body, param in (
+        ({"ttl_s": True}, "ttl_s"),
+        ({"ttl_s": 60.0}, "ttl_s"),
+        ({"ttl": 60}, "ttl"),
+        ({"messages": [{"role": "system", "content": "Be terse."}]}, "messages"),
+    ):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "first chat turn" in r.json()["error"]["message"]
+    # No body, an empty one, or an empty object: a session with the configured expiry.
+    for kw in ({}, {"content": b""}, {"content": iter([b""])}, {"json": {}}):
+        r = httpx.post(url, timeout=30, **kw)
+        assert r.status_code == 201, (kw, r.text)
+        assert r.json()["expires_at"] - r.json()["created"] > 77
+
+
 def test_session_ttl_expires(served_app):
     sid = new_session(served_app, ttl_s=1)["id"]
     assert get_session(served_app, sid).status_code == 200

@@ -3,7 +3,7 @@
 import pytest
 
 from app.errors import InvalidRequestError
-from app.sessions import check_session_id, fit_history
+from app.sessions import MAX_SESSION_TTL_S, check_session_id, fit_history, session_create_ttl
 from deployments.compute.engines.kv import block_hashes
 
 
@@ -21,6 +21,25 @@ def test_session_id_format():
     for bad in ["", "sess_", "sess_" + "g" * 32, "x" * 37, "sess_" + "0" * 31, "../../etc"]:
         with pytest.raises(InvalidRequestError):
             check_session_id(bad)
+
+
+def test_a_session_create_body_takes_ttl_s_alone_and_only_a_whole_number():
+    assert session_create_ttl({}) is None
+    assert session_create_ttl({"ttl_s": None}) is None
+    assert session_create_ttl({"ttl_s": 1}) == 1
+    assert session_create_ttl({"ttl_s": MAX_SESSION_TTL_S}) == MAX_SESSION_TTL_S
+    # JSON true is Python's True, an int: it made a session that expired after 1 s.
+    for bad in (True, False, 0, -5, MAX_SESSION_TTL_S + 1, 1.5, 60.0, "60", [60]):
+        with pytest.raises(InvalidRequestError) as e:
+            session_create_ttl({"ttl_s": bad})
+        assert e.value.param == "ttl_s"
+    # A field the server would drop gives the client a session it did not ask for.
+    with pytest.raises(InvalidRequestError) as e:
+        session_create_ttl({"ttl": 60})
+    assert e.value.param == "ttl" and "only 'ttl_s'" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        session_create_ttl({"ttl_s": 60, "messages": [{"role": "system", "content": "terse"}]})
+    assert e.value.param == "messages" and "first chat turn" in e.value.message
 
 
 def test_history_that_fits_is_kept_whole():

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         log_to_driver=args.verbose,
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
-    serve.start(http_options={"host": host, "port": port})
+    grpc_options = doc.get("grpc_options") or None
+    serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)
     layout = (
         "Server (ingress, router and ComputeWorker in one process)"
         if AppConfig.model_validate(app_args).ingress.with_worker
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             r.stop()
         return 1
     _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
+    if grpc_options and grpc_options.get("grpc_servicer_functions"):
+        _say(f"gRPC API (app/grpc_api/llm.proto) on port {grpc_options.get('port', 9000)}, every interface")
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

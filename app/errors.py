@@ -93,6 +93,22 @@ class GatewayTimeoutError(APIError):
     error_type = "timeout"
 
 
+def status_of_error(error: dict) -> int:
+    """The HTTP status of an error body's ``error`` object (``APIError.body``), for a
+    stream's error event, which carries no status: its type, and for the types several
+    statuses share, its code."""
+    kind, code = error.get("type"), error.get("code")
+    if kind != "invalid_request_error":
+        return {"rate_limit_error": 429, "service_unavailable": 503, "timeout": 504}.get(kind, 500)
+    return {
+        "missing_api_key": 401,
+        "invalid_api_key": 401,
+        "model_not_found": 404,
+        "session_not_found": 404,
+        "session_version_conflict": 409,
+    }.get(code, 400)
+
+
 def _causes(exc: BaseException):
     seen = set()
     while exc is not None and id(exc) not in seen:

@@ -42,6 +42,7 @@ from app.errors import (
     PayloadTooLargeError,
     to_api_error,
 )
+from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.sessions import (
@@ -1241,7 +1242,7 @@ class Ingress:
 
 
 @serve.ingress(fastapi_app)
-class IngressDeployment(Ingress):
+class IngressDeployment(Ingress, GrpcIngress):
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve("chat", request, ChatCompletionRequest)

@@ -1614,7 +1614,9 @@ class DataPlane(DrainsOnStop):
             return rec
         if result.status == "missing":
             self._sessions.pop(key, None)
-            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+            raise NotFoundError(
+                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
+            )
         if result.status == "conflict":
             raise self._conflict(session_id, expected_version, result.version)
         if result.status == "too_many_messages":
@@ -1640,7 +1642,9 @@ class DataPlane(DrainsOnStop):
             return _copy(cached)
         rec = await self.get_session(tenant, session_id)
         if rec is None:  # expired between the two calls
-            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+            raise NotFoundError(
+                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
+            )
         return rec
 
     @staticmethod
@@ -1679,7 +1683,9 @@ class DataPlane(DrainsOnStop):
         if rec is None:
             if not known:
                 raise self._unknown_in_outage(session_id, "changed")
-            raise NotFoundError(f"session {session_id!r} not found or expired", param="session_id")
+            raise NotFoundError(
+                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
+            )
         if rec.version != expected_version:
             if turn_id and rec.version == expected_version + 1 and rec.last_turn_id == turn_id:
                 self._m.inc("append_replays")

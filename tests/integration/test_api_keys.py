@@ -190,3 +190,44 @@ def test_a_key_revoked_in_the_file_is_refused_without_a_restart(keyed_app):
     wait_for(lambda: httpx.get(base + "/v1/models", headers=headers, timeout=30).status_code == 401,
              10 * RELOAD_S + 10, "globex's key refused")
     assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {ACME}"}, timeout=30).status_code == 200
+
+
+def test_grpc_calls_take_the_key_as_metadata_and_keep_tenants_apart(keyed_app, grpc_port):
+    """The gRPC API (Serve's gRPC proxy, this app named by the ``application`` metadata)
+    authenticates as the REST API does: ``authorization: Bearer <key>`` metadata, else
+    UNAUTHENTICATED with the 401's code; the key's tenant scopes its sessions."""
+    import grpc
+
+    from app.grpc_api import llm_pb2 as pb
+    from app.grpc_api import llm_pb2_grpc
+
+    app = ("application", APP_NAME)
+
+    def key(k: str):
+        return (app, ("authorization", f"Bearer {k}"))
+
+    chat = pb.ChatCompletionRequest(model="tiny-llama", messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=2)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        for metadata, code in [((app,), "missing_api_key"), (key("not-a-key-of-this-server"), "invalid_api_key")]:
+            for call in (
+                lambda md: stub.ChatCompletion(chat, metadata=md, timeout=60),
+                lambda md: list(stub.ChatCompletionStream(chat, metadata=md, timeout=60)),
+                lambda md: stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=60),
+                lambda md: stub.CreateSession(pb.CreateSessionRequest(), metadata=md, timeout=60),
+            ):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(metadata)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+                assert {m.key: m.value for m in e.value.trailing_metadata()}["llm-error-code"] == code
+        assert stub.ChatCompletion(chat, metadata=key(ACME), timeout=60).usage.completion_tokens == 2
+        session = stub.CreateSession(pb.CreateSessionRequest(), metadata=key(ACME), timeout=60)
+        assert stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=key(ACME), timeout=60).id == session.id
+        for call in (
+            lambda: stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=key(GLOBEX), timeout=60),
+            lambda: stub.ChatCompletion(chat, metadata=key(GLOBEX) + (("x-session-id", session.id),), timeout=60),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=key(ACME), timeout=60).version == 0

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH, worker_handle
+from tests.fixtures.serve_app import TEST_MAX_QUEUE_DEPTH, idle_worker_stats, worker_stats
 
 pytestmark = pytest.mark.integration
 
@@ -626,10 +626,6 @@ def test_queue_full_gets_429_with_retry_after(served_app):
         assert_openai_error(r, 429)
 
 
-def worker_stats():
-    return worker_handle("llm").stats.remote().result(timeout_s=30)
-
-
 def test_dropped_stream_aborts_generation_and_service_stays_healthy(served_app):
     max_len = served_app.client().models.list().data[0].model_extra["max_model_len"]
     max_tokens = max_len - 8
@@ -642,10 +638,7 @@ def test_dropped_stream_aborts_generation_and_service_stays_healthy(served_app):
             got = [next(lines) for _ in range(3)]
             assert any(line.startswith("data: ") for line in got)
         # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and worker_stats().num_running != 0:
-        time.sleep(0.2)
-    stats = worker_stats()
+    stats = idle_worker_stats()
     assert stats.num_running == 0
     # Not aborted, the request would have generated max_tokens tokens before leaving.
     assert stats.num_generated_tokens - before < max_tokens // 2, (before, stats.num_generated_tokens)

@@ -75,6 +75,27 @@ def test_serve_config_args_validate(where, serve_config):
         AppConfig.model_validate(app.get("args") or {})  # raises, naming the field
 
 
+@pytest.mark.parametrize(
+    "where, serve_config",
+    [("serve_config.yaml", yaml.safe_load((REPO / "serve_config.yaml").read_text())), *_serve_configs()],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_serve_config_is_valid_for_serve_and_serves_the_grpc_api(where, serve_config):
+    """Serve's own schema takes each config (as ``serve deploy`` checks it), and each one
+    starts the gRPC API: a servicer function that imports, the app's own."""
+    import importlib
+
+    from ray.serve.schema import ServeDeploySchema
+
+    from app.grpc_api import SERVICER_FUNCTION
+
+    ServeDeploySchema.parse_obj(serve_config)
+    functions = serve_config["grpc_options"]["grpc_servicer_functions"]
+    assert functions == [SERVICER_FUNCTION], where
+    module, _, name = SERVICER_FUNCTION.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), name))
+
+
 def test_launcher_config_matches_ray_schema_and_provides_roles():
     from ray.autoscaler._private.util import validate_config
 

@@ -1,0 +1,195 @@
+"""The gRPC API (app/grpc_api/llm.proto) through Serve's real gRPC proxy, on a real
+socket, against the shared application with both engines: the same answers as the REST
+API, its errors as gRPC status codes with the error's fields as trailing metadata,
+sessions, a stream the client cancels (its generation stops), and the per-call metric."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+from google.protobuf import struct_pb2
+
+from app.grpc_api import llm_pb2 as pb
+from app.grpc_api import llm_pb2_grpc
+from tests.fixtures.serve_app import idle_worker_stats, worker_stats
+
+pytestmark = pytest.mark.integration
+
+# The Serve instance may run other applications beside the shared one (test_api_keys).
+APP = (("application", "llm"),)
+
+
+@pytest.fixture(scope="module")
+def stub(grpc_port):
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    yield llm_pb2_grpc.LLMStub(channel)
+    channel.close()
+
+
+def rest(served_app, path: str, body: dict, headers=None) -> dict:
+    r = httpx.post(served_app.base_url + path, json=body, headers=headers or {}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def trailing(error: grpc.RpcError) -> dict:
+    return {m.key: m.value for m in error.trailing_metadata() or ()}
+
+
+def chat(text: str, **kw) -> pb.ChatCompletionRequest:
+    kw.setdefault("temperature", 0)
+    return pb.ChatCompletionRequest(model="tiny-llama", messages=[pb.ChatMessage(role="user", content=text)], **kw)
+
+
+def test_chat_over_grpc_is_the_rest_answer_unary_and_streamed(served_app, stub):
+    want = rest(
+        served_app, "/v1/chat/completions",
+        {"model": served_app.model_id, "messages": [{"role": "user", "content": "gRPC hello"}],
+         "max_tokens": 12, "temperature": 0},
+    )
+    got = stub.ChatCompletion(chat("gRPC hello", max_tokens=12), metadata=APP, timeout=120)
+    assert got.id.startswith("chatcmpl-") and got.model == served_app.model_id
+    assert len(got.choices) == 1
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+    assert got.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.completion_tokens == want["usage"]["completion_tokens"] == 12
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 12
+
+    chunks = list(stub.ChatCompletionStream(chat("gRPC hello", max_tokens=12), metadata=APP, timeout=120))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content for c in chunks if c.choices)
+    assert text == got.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    # Usage comes with the last chunk, unless the request's stream_options say otherwise.
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert not any(c.HasField("usage") for c in chunks[:-1])
+    assert not any(c.HasField("error") for c in chunks)
+    extra = struct_pb2.Struct()
+    extra.update({"stream_options": {"include_usage": False}})
+    chunks = list(stub.ChatCompletionStream(chat("gRPC hello", max_tokens=3, extra=extra), metadata=APP, timeout=120))
+    assert not any(c.HasField("usage") for c in chunks)
+
+
+def test_completion_over_grpc_takes_token_ids_and_extra_fields_as_rest_does(served_app, stub):
+    body = {"model": served_app.model_id, "prompt": [11, 12, 13, 14], "max_tokens": 6, "temperature": 0,
+            "logprobs": 2, "logit_bias": {"40": 5}}
+    want = rest(served_app, "/v1/completions", body)
+    extra = struct_pb2.Struct()
+    extra.update({"logit_bias": {"40": 5}})
+    got = stub.Completion(
+        pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[11, 12, 13, 14], max_tokens=6, temperature=0,
+                             logprobs=2, extra=extra),
+        metadata=APP, timeout=120,
+    )
+    assert got.choices[0].text == want["choices"][0]["text"]
+    lp = got.choices[0].logprobs
+    assert list(lp["tokens"]) == want["choices"][0]["logprobs"]["tokens"]
+    assert [round(x, 4) for x in lp["token_logprobs"]] == [round(x, 4) for x in want["choices"][0]["logprobs"]["token_logprobs"]]
+    streamed = stub.CompletionStream(pb.CompletionRequest(model="tiny-llama", prompt="abc", max_tokens=5, temperature=0),
+                                     metadata=APP, timeout=120)
+    chunks = list(streamed)
+    unary = stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt="abc", max_tokens=5, temperature=0),
+                            metadata=APP, timeout=120)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == unary.choices[0].text
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens == 5
+
+
+def test_errors_are_grpc_status_codes_with_the_errors_fields(served_app, stub):
+    cases = [
+        (chat("x", temperature=9), grpc.StatusCode.INVALID_ARGUMENT, {"llm-error-param": "temperature"}),
+        (pb.ChatCompletionRequest(model="no-such-model", messages=[pb.ChatMessage(role="user", content="x")]),
+         grpc.StatusCode.NOT_FOUND, {"llm-error-code": "model_not_found"}),
+        (pb.ChatCompletionRequest(model="tiny-llama"), grpc.StatusCode.INVALID_ARGUMENT, {"llm-error-param": "messages"}),
+    ]
+    extra = struct_pb2.Struct()
+    extra.update({"max_tokens": 3})
+    cases.append((chat("x", max_tokens=3, extra=extra), grpc.StatusCode.INVALID_ARGUMENT, {"llm-error-param": "max_tokens"}))
+    for request, code, fields in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ChatCompletion(request, metadata=APP, timeout=60)
+        assert e.value.code() == code, (request, e.value.details())
+        assert e.value.details()
+        meta = trailing(e.value)
+        assert meta["llm-error-type"] == "invalid_request_error"
+        assert fields.items() <= meta.items(), meta
+        # A stream refused before its first token: the same status, and one chunk saying it.
+        seen = []
+        with pytest.raises(grpc.RpcError) as e:
+            for c in stub.ChatCompletionStream(request, metadata=APP, timeout=60):
+                seen.append(c)
+        assert e.value.code() == code
+        assert len(seen) == 1 and seen[0].error.message == e.value.details(), seen
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt="a", prompt_token_ids=[1]), metadata=APP, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and trailing(e.value)["llm-error-param"] == "prompt"
+
+
+def test_sessions_over_grpc(served_app, stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSession(pb.CreateSessionRequest(ttl_s=31 * 86_400), metadata=APP, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and trailing(e.value)["llm-error-param"] == "ttl_s"
+    session = stub.CreateSession(pb.CreateSessionRequest(ttl_s=600), metadata=APP, timeout=60)
+    assert session.id.startswith("sess_") and session.expires_at - session.created in (599, 600, 601)
+    first = stub.ChatCompletion(chat("first", max_tokens=4, session_id=session.id), metadata=APP, timeout=120)
+    # By metadata, as the REST API's X-Session-Id header.
+    second = stub.ChatCompletion(chat("second", max_tokens=4), metadata=APP + (("x-session-id", session.id),), timeout=120)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    got = stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=APP, timeout=60)
+    want = httpx.get(f"{served_app.base_url}/v1/sessions/{session.id}", timeout=60).json()
+    assert got.version == want["version"] == 2
+    assert [(m.role, m.content) for m in got.messages] == [(m["role"], m["content"]) for m in want["messages"]]
+    assert [m.content for m in got.messages] == [
+        "first", first.choices[0].message.content, "second", second.choices[0].message.content
+    ]
+    assert stub.DeleteSession(pb.DeleteSessionRequest(id=session.id), metadata=APP, timeout=60).deleted
+    for call in (
+        lambda: stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=APP, timeout=60),
+        lambda: stub.ChatCompletion(chat("third", max_tokens=2, session_id=session.id), metadata=APP, timeout=60),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and trailing(e.value)["llm-error-code"] == "session_not_found"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetSession(pb.GetSessionRequest(id="not-a-session"), metadata=APP, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and trailing(e.value)["llm-error-param"] == "session_id"
+
+
+def test_a_cancelled_stream_stops_its_generation(served_app, stub):
+    max_len = stub.ListModels(pb.ListModelsRequest(), metadata=APP, timeout=60).data[0].max_model_len
+    assert max_len > 64
+    max_tokens = max_len - 8
+    before = worker_stats().num_generated_tokens
+    extra = struct_pb2.Struct()
+    extra.update({"ignore_eos": True})
+    call = stub.CompletionStream(
+        pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[13] * 8, max_tokens=max_tokens, extra=extra),
+        metadata=APP, timeout=120,
+    )
+    got = [next(call) for _ in range(3)]
+    assert any(c.choices and c.choices[0].text for c in got)
+    call.cancel()
+    stats = idle_worker_stats()
+    assert stats.num_running == 0
+    # Not stopped, the request would have generated max_tokens tokens before leaving.
+    assert stats.num_generated_tokens - before < max_tokens // 2, (before, stats.num_generated_tokens)
+    assert stub.ChatCompletion(chat("after", max_tokens=2), metadata=APP, timeout=60).usage.completion_tokens == 2
+
+
+def test_grpc_calls_are_counted_by_method_and_code(served_app, stub):
+    stub.ListModels(pb.ListModelsRequest(), metadata=APP, timeout=60)
+    with pytest.raises(grpc.RpcError):
+        stub.GetSession(pb.GetSessionRequest(id="sess_" + "0" * 32), metadata=APP, timeout=60)
+    wanted = ('method="ListModels"', 'code="OK"'), ('method="GetSession"', 'code="NOT_FOUND"')
+    deadline = time.monotonic() + 90
+    while True:
+        lines = [l for l in httpx.get(served_app.base_url + "/metrics", timeout=60).text.splitlines()
+                 if l.startswith("ray_llm_grpc_requests_total")]
+        if all(any(all(p in line for p in parts) for line in lines) for parts in wanted):
+            break
+        assert time.monotonic() < deadline, lines
+        time.sleep(1)

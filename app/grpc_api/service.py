@@ -207,29 +207,27 @@ class GrpcIngress:
         GrpcIngress._grpc_metrics.requests.inc(tags={"method": method, "code": code.name})
         logger.debug("grpc %s: %s in %.1f ms", method, code.name, 1000 * (time.monotonic() - started))
 
-    async def _grpc_unary(
-        self, method: str, context, call: Callable[[], Any], reply: type[Message], shape: Callable[[dict], dict] = lambda d: d
-    ) -> Message:
+    async def _grpc_unary(self, method: str, context, call: Callable[[], Any], reply: type[Message]) -> Message:
         started = time.monotonic()
         with self._tracer.start_as_current_span(f"ingress.grpc.{method}") as span:
             span.set_attribute("rpc.system", "grpc")
             span.set_attribute("rpc.method", method)
+            out = reply()
             try:
                 response = await call()
+                if response.status_code >= 400:
+                    code = _set_error(context, response.status_code, _error_of(response), response.headers)
+                else:
+                    out = to_message(json.loads(response.body), reply)
+                    code = grpc.StatusCode.OK
+                    request_id = response.headers.get("x-request-id")
+                    if request_id and context is not None:
+                        context.set_trailing_metadata([("x-request-id", request_id)])
             except RpcError as e:
                 code = _set_error(context, 400, {"message": e.message, "type": "invalid_request_error", "param": e.param})
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                self._grpc_count(method, code, started)
-                return reply()
-            if response.status_code >= 400:
-                code = _set_error(context, response.status_code, _error_of(response), response.headers)
-                out = reply()
-            else:
-                code = grpc.StatusCode.OK
-                out = to_message(shape(json.loads(response.body)), reply)
-                request_id = response.headers.get("x-request-id")
-                if request_id and context is not None:
-                    context.set_trailing_metadata([("x-request-id", request_id)])
+            except Exception:  # noqa: BLE001 - a status, never a traceback to the client
+                logger.exception("grpc %s: the reply could not be built", method)
+                code = _set_error(context, 500, {"message": "Internal error building the reply.", "type": "internal_error"})
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             self._grpc_count(method, code, started)
             return out
@@ -276,9 +274,13 @@ class GrpcIngress:
                         if event.get("usage") is None:
                             event.pop("usage", None)
                         yield to_message(event, chunk)
-            except BaseException:
-                code = grpc.StatusCode.CANCELLED
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED  # the client went away
                 raise
+            except Exception:  # noqa: BLE001 - a status, never a traceback to the client
+                logger.exception("grpc %s: the stream could not be built", method)
+                code = _set_error(context, 500, {"message": "Internal error building the stream.", "type": "internal_error"})
+                yield chunk(error=pb.Error(message="Internal error building the stream.", type="internal_error"))
             finally:
                 if body_iterator is not None:
                     # A client that went away: the REST stream's own clean-up stops the

@@ -57,6 +57,9 @@ def test_a_request_message_is_the_json_body_of_its_set_fields():
     assert type(body["logit_bias"]["7"]) is int and type(body["seed"]) is int
     # Unset optional fields and empty ones are left out: the server's defaults apply.
     assert message_body(pb.ChatCompletionRequest(model="m")) == {"model": "m"}
+    # A message's content is sent when set, an empty one too (proto3 optional).
+    assert message_body(pb.ChatMessage(role="user", content="")) == {"role": "user", "content": ""}
+    assert message_body(pb.ChatMessage(role="assistant")) == {"role": "assistant"}
     tools = message_body(pb.ChatMessage(role="assistant", tool_calls=struct({"x": [{"id": "c1"}]})["x"]))
     assert tools == {"role": "assistant", "tool_calls": [{"id": "c1"}]}
 

@@ -124,8 +124,8 @@ def session_create_ttl(body: dict) -> Optional[int]:
     400 naming what is wrong. The body takes ``ttl_s`` alone: any other field is refused,
     since quietly dropping it (a ``messages`` meant as the session's start, a misspelt
     ``ttl``) would give the client a session other than the one it asked for. ``ttl_s``
-    is an integer, a JSON ``true`` or ``1.5`` included: Python's ``bool`` is an ``int``,
-    and ``true`` made a session that expired after one second."""
+    must be a JSON integer: ``true`` is refused (Python's ``bool`` is an ``int``, and
+    ``true`` made a session that expired after one second), and so is ``60.0``."""
     unknown = sorted(k for k in body if k != "ttl_s")
     if unknown:
         hint = (

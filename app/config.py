@@ -383,6 +383,14 @@ class RouterConfig(_Strict):
         description="Requests admitted by one router (one per ingress replica) and not yet finished; "
         "beyond it new requests get 429 with Retry-After.",
     )
+    max_queue_share_per_tenant: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="The share of max_queue_depth that one tenant's requests (an API key's; "
+        "security) may hold in a router; beyond it that tenant's new requests get 429 "
+        "(code tenant_queue_full) while the other tenants' still get in. 1: no share.",
+    )
     retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After seconds sent with a 429."
     )

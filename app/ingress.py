@@ -893,17 +893,21 @@ class Ingress:
             try:
                 tenant = self._authenticate(request, span)
                 sessions = self._sessions_of(tenant)
-                self._router.reject_if_full()
+                self._router.reject_if_full(tenant)
                 early_session = self._start_session_read(schema, request, sessions)
                 if early_session is not None:
                     session_lookup = self._start_session_lookup(sessions, request.headers.get("x-session-id"))
                 req = self._validate(schema, await self._read_json(request))
                 turn = check = None
-                if req.n > self._config.router.max_queue_depth:
-                    # Each choice takes a place in the router's queue.
+                if req.n > self._router.max_tenant_places:
+                    # Each choice takes a place in the router's queue (of the tenant's
+                    # share of it): a request with more choices could never get in.
                     raise InvalidRequestError(
                         f"n={req.n} exceeds this server's queue depth of "
-                        f"{self._config.router.max_queue_depth}.",
+                        f"{self._router.max_tenant_places}"
+                        + ("" if self._router.max_tenant_places == self._config.router.max_queue_depth
+                           else " (one API key's share of it)")
+                        + ".",
                         param="n",
                     )
                 if isinstance(req, ChatCompletionRequest):

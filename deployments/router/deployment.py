@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 
 from app import serve_context, telemetry
+from app.auth import DEFAULT_TENANT
 from app.config import AppConfig
 from app.errors import GatewayTimeoutError, RateLimitError, _causes, replica_death_types
 from app.telemetry import LATENCY_BUCKETS_S
@@ -41,6 +43,10 @@ from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER, classify_outcome, report_outcome
 
 logger = logging.getLogger("ray.serve")
+
+# A tenant refused for its share of the queue is logged at most this often (a flood
+# of its requests must not flood the log).
+TENANT_REFUSAL_LOG_INTERVAL_S = 10.0
 
 # Block hashes of sessions' last turns (``Router.start_session_lookup``), all sessions
 # together: 89 bytes each in Python (a 32-character str and its list slot), so ~23 MB at
@@ -53,20 +59,43 @@ LOOKUP_START_TIMEOUT_S = 0.2
 
 
 class Admission:
-    """A bounded count of requests in the router (queued + running). Plain logic."""
+    """A bounded count of requests in the router (queued + running), in all and per
+    tenant: one tenant holds at most ``tenant_share`` of the places (at least one), so a
+    tenant that floods the router leaves the rest to the others. Plain logic."""
 
-    def __init__(self, max_depth: int):
+    def __init__(self, max_depth: int, tenant_share: float = 1.0):
         self.max_depth = max_depth
+        self.max_tenant_depth = max(1, math.ceil(max_depth * tenant_share - 1e-9))
         self.depth = 0
+        self.by_tenant: dict[str, int] = {}
 
-    def try_acquire(self) -> bool:
+    def refusal(self, tenant: str) -> Optional[str]:
+        """Why a request of ``tenant`` cannot be admitted now (None: it can)."""
         if self.depth >= self.max_depth:
-            return False
-        self.depth += 1
-        return True
+            return QUEUE_FULL
+        if self.by_tenant.get(tenant, 0) >= self.max_tenant_depth:
+            return TENANT_QUEUE_FULL
+        return None
 
-    def release(self) -> None:
+    def try_acquire(self, tenant: str) -> Optional[str]:
+        """Admit a request of ``tenant``: None, or why not (and nothing changes)."""
+        why = self.refusal(tenant)
+        if why is None:
+            self.depth += 1
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        return why
+
+    def release(self, tenant: str) -> None:
         self.depth -= 1
+        left = self.by_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)
+
+
+QUEUE_FULL = "queue_full"
+TENANT_QUEUE_FULL = "tenant_queue_full"
 
 
 _DEATH_TYPES = (EngineDeadError, *replica_death_types())
@@ -116,7 +145,8 @@ class Router:
         # Serve): a request its dead engine failed has nowhere else to go.
         self._retries_elsewhere = getattr(worker, "retries_elsewhere", True)
         rc = self._config.router
-        self._admission = Admission(rc.max_queue_depth)
+        self._admission = Admission(rc.max_queue_depth, rc.max_queue_share_per_tenant)
+        self._tenant_refusal_logged_at = float("-inf")
         self._batcher: DynamicBatcher[_Queued] = DynamicBatcher(
             self._dispatch,
             max_batch_size=rc.max_batch_size,
@@ -145,7 +175,10 @@ class Router:
             boundaries=LATENCY_BUCKETS_S,
         )
         self._m_rejected = metrics.Counter(
-            "llm_router_rejected", "Requests rejected because the queue was full."
+            "llm_router_rejected",
+            "Requests rejected 429: reason=queue_full (the router's queue) or "
+            "tenant_queue_full (the tenant's share of it, router.max_queue_share_per_tenant).",
+            tag_keys=("reason",),
         )
         self._m_prefetch = metrics.Counter(
             "llm_router_prefetch_requests", "Prefetches of session KV blocks asked of the data plane."
@@ -523,22 +556,39 @@ class Router:
             # A fresh placement: the batch's affinity may still point at the dead replica.
             batch_key = f"{batch_key}-retry"
 
-    def _queue_full(self) -> RateLimitError:
-        self._m_rejected.inc()
+    def _queue_full(self, why: str, tenant: str) -> RateLimitError:
+        self._m_rejected.inc(tags={"reason": why})
         retry_after = str(self._config.router.retry_after_s)
-        return RateLimitError(
-            f"The router queue is full ({self._admission.max_depth} requests); "
-            f"retry after {retry_after}s.",
-            code="queue_full",
-            headers={"Retry-After": retry_after},
-        )
+        if why == TENANT_QUEUE_FULL:
+            now = time.monotonic()
+            if now - self._tenant_refusal_logged_at >= TENANT_REFUSAL_LOG_INTERVAL_S:
+                self._tenant_refusal_logged_at = now
+                logger.info(
+                    "tenant %s holds its share of the router queue (%d of %d places, "
+                    "router.max_queue_share_per_tenant): 429 (at most one such line every %.0f s)",
+                    tenant, self._admission.max_tenant_depth, self._admission.max_depth,
+                    TENANT_REFUSAL_LOG_INTERVAL_S,
+                )
+            message = (
+                f"This API key's requests hold their share of the router queue "
+                f"({self._admission.max_tenant_depth} of {self._admission.max_depth}); "
+                f"retry after {retry_after}s."
+            )
+        else:
+            message = (
+                f"The router queue is full ({self._admission.max_depth} requests); "
+                f"retry after {retry_after}s."
+            )
+        return RateLimitError(message, code=why, headers={"Retry-After": retry_after})
 
-    def reject_if_full(self) -> None:
-        """429 at once when the queue is full: the ingress asks before it reads, parses and
-        tokenises a body, so under overload a rejection costs almost no CPU (which the
-        requests being served need). ``generate`` still admits atomically."""
-        if self._admission.depth >= self._admission.max_depth:
-            raise self._queue_full()
+    def reject_if_full(self, tenant: str = DEFAULT_TENANT) -> None:
+        """429 at once when the queue, or ``tenant``'s share of it, is full: the ingress
+        asks before it reads, parses and tokenises a body, so under overload a rejection
+        costs almost no CPU (which the requests being served need). ``generate`` still
+        admits atomically."""
+        why = self._admission.refusal(tenant)
+        if why is not None:
+            raise self._queue_full(why, tenant)
 
     async def generate(
         self,
@@ -552,8 +602,9 @@ class Router:
         the task of :meth:`start_session_lookup` for the request's session, if it started
         one for the version the prompt was built on."""
         deadline = time.monotonic() + self._config.limits.request_timeout_s
-        if not self._admission.try_acquire():
-            raise self._queue_full()
+        why = self._admission.try_acquire(request.tenant)
+        if why is not None:
+            raise self._queue_full(why, request.tenant)
         self._m_queue_depth.set(self._admission.depth)
         ctx = telemetry.extract_context(request.trace_headers)
         item = lookup = None
@@ -602,7 +653,7 @@ class Router:
                 self._num_inflight -= 1
                 if self._has_idle_worker():
                     self._batcher.notify_idle()
-            self._admission.release()
+            self._admission.release(request.tenant)
             self._m_queue_depth.set(self._admission.depth)
 
     async def _within_deadline(self, awaitable, deadline: float, request: GenerationRequest, stage: str):
@@ -634,3 +685,8 @@ class Router:
 
     def queue_depth(self) -> int:
         return self._admission.depth
+
+    @property
+    def max_tenant_places(self) -> int:
+        """The most places of this router's queue one tenant's requests may hold."""
+        return self._admission.max_tenant_depth

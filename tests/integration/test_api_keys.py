@@ -4,6 +4,8 @@ without a restart. Each engine in turn; the app runs beside the shared one."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import time
 
@@ -14,6 +16,7 @@ import pytest
 from tests.fixtures.models import get_model_path
 from tests.fixtures.serve_app import (
     ENGINE_ARGS,
+    TEST_MAX_QUEUE_DEPTH,
     app_args,
     deployed_app,
     openai_client,
@@ -27,6 +30,7 @@ ROUTE_PREFIX = "/keyed"
 ACME = "acme-0123456789abcdef"
 GLOBEX = "globex-0123456789abcdef"
 RELOAD_S = 0.5
+SHARE = 0.25
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINE_ARGS))
@@ -41,6 +45,9 @@ def keyed_app(request, tmp_path_factory, ray_cluster, redis_server, http_port):
         redis_server.url,
         engine=ENGINE_ARGS[engine],
         security={"api_keys_file": str(keys_file), "reload_interval_s": RELOAD_S},
+        # A tenant may hold a quarter of the router queue (12 of 48 places): fewer than
+        # the engine's 16 sequences, so each admitted request runs at once.
+        router={"max_queue_share_per_tenant": SHARE},
     )
     with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield engine, base_url, keys_file
@@ -219,6 +226,51 @@ def test_grpc_calls_take_the_key_as_metadata_and_keep_tenants_apart(keyed_app, g
                 call()
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert stub.GetSession(pb.GetSessionRequest(id=session.id), metadata=key(ACME), timeout=60).version == 0
+
+
+def test_a_tenant_that_floods_the_router_leaves_room_for_the_others(keyed_app):
+    """acme sends twice its share of the router queue at once: its share is admitted and
+    the rest gets 429 tenant_queue_full with Retry-After, while globex's requests, sent
+    as acme's run, are served. Without the share acme would take every place it asked for."""
+    _, base, _ = keyed_app
+    share = math.ceil(TEST_MAX_QUEUE_DEPTH * SHARE)
+    flood = 2 * share
+    acme, globex = ({"Authorization": f"Bearer {k}"} for k in (ACME, GLOBEX))
+    long_body = {"model": "tiny-llama", "prompt": [12] * 8, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # More choices than the share holds could never get in: a 400, not a 429 to retry.
+    r = httpx.post(base + "/v1/completions", headers=acme, timeout=60,
+                   json={"model": "tiny-llama", "prompt": "x", "max_tokens": 1, "n": share + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "share" in r.json()["error"]["message"], r.text
+
+    async def main():
+        limits = httpx.Limits(max_connections=flood + 8)
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+            async def open_stream():
+                request = client.build_request("POST", "/v1/completions", json=long_body, headers=acme)
+                return await client.send(request, stream=True)  # back at the first token, or the 429
+
+            streams = await asyncio.gather(*(open_stream() for _ in range(flood)))
+            try:
+                refused = []
+                for r in streams:
+                    if r.status_code == 429:
+                        await r.aread()
+                        refused.append((r.json(), r.headers.get("retry-after")))
+                others = await asyncio.gather(*(
+                    client.post("/v1/completions", headers=globex,
+                                json={"model": "tiny-llama", "prompt": "my turn", "max_tokens": 2})
+                    for _ in range(4)
+                ))
+            finally:
+                for r in streams:
+                    await r.aclose()
+            return [r.status_code for r in streams], refused, others
+
+    codes, refused, others = asyncio.run(main())
+    assert codes.count(200) == share and codes.count(429) == flood - share, codes
+    for error, retry_after in refused:
+        assert error["error"]["code"] == "tenant_queue_full" and int(retry_after) >= 1, error
+    assert [r.status_code for r in others] == [200] * 4, [r.text for r in others]
 
 
 # Last in the module: it revokes globex's key (the next engine's app starts with both).

@@ -30,7 +30,9 @@ class _Recorded:
 
 
 class _Router:
-    def reject_if_full(self):
+    max_tenant_places = 512
+
+    def reject_if_full(self, tenant):
         pass
 
     async def generate(self, request, gate=None, session_lookup=None):

@@ -9,12 +9,12 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from deployments.compute.engines.protocol import (
-    EngineCapabilities,
     GenerationRequest,
     SamplingParams,
     TokenDelta,
 )
 from deployments.router.deployment import Router
+from tests.fixtures.worker_double import StreamWorker
 
 
 class _DyingStream:
@@ -40,38 +40,19 @@ class _DyingStream:
         pass
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class _Worker:
+class _Worker(StreamWorker):
     """First call: a replica that dies after 2 deltas; later calls: a healthy one."""
 
     def __init__(self):
         self.calls = 0
 
-        def generate(request, batch_key=None):
+        def stream(request):
             self.calls += 1
             if self.calls == 1:
                 return _DyingStream("dead ", 2, dies=True)
             return _DyingStream("ok ", 3, dies=False)
 
-        async def caps():
-            return EngineCapabilities()
-
-        async def ready():
-            return True
-
-        self.generate = _Method(generate)
-        self.capabilities = _Method(caps)
-        self.ready = _Method(ready)
-
-    def options(self, **_):
-        return self
+        super().__init__(stream)
 
 
 def _router(worker) -> Router:

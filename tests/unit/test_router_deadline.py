@@ -16,6 +16,7 @@ from deployments.compute.engines.protocol import (
     TokenDelta,
 )
 from deployments.router.deployment import Router
+from tests.fixtures.worker_double import RemoteMethod, StreamWorker
 
 
 class _Stream:
@@ -43,26 +44,10 @@ class _Stream:
         self.cancelled = True
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class _Worker:
+class _Worker(StreamWorker):
     def __init__(self, stream: _Stream):
         self.stream = stream
-        self.generate = _Method(lambda request, batch_key=None: self.stream)
-
-        async def caps():
-            return EngineCapabilities()
-
-        self.capabilities = _Method(caps)
-
-    def options(self, **_):
-        return self
+        super().__init__(lambda request: self.stream)
 
 
 def _router(stream: _Stream, timeout_s: float, **router) -> Router:
@@ -133,7 +118,7 @@ async def test_a_first_request_whose_worker_never_answers_gets_504():
     async def hang():
         await asyncio.sleep(3600)
 
-    worker.capabilities = _Method(hang)
+    worker.capabilities = RemoteMethod(hang)
     config = {"limits": {"request_timeout_s": 0.3}, "router": {}, "dataplane": {"enabled": False}}
     router = Router(worker, config)
     started = time.monotonic()
@@ -154,7 +139,7 @@ class _Counting(_Worker):
             self.calls += 1
             return self.stream
 
-        self.generate = _Method(call)
+        self.generate = RemoteMethod(call)
 
 
 @pytest.mark.asyncio
@@ -197,7 +182,7 @@ class _CapsWorker(_Worker):
                 raise RuntimeError("worker starting")
             return caps
 
-        self.capabilities = _Method(answer)
+        self.capabilities = RemoteMethod(answer)
 
 
 @pytest.mark.asyncio

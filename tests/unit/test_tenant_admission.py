@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from app.errors import RateLimitError
-from deployments.compute.engines.protocol import EngineCapabilities, GenerationRequest, SamplingParams, TokenDelta
+from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
 from deployments.router.deployment import QUEUE_FULL, TENANT_QUEUE_FULL, Admission, Router
+from tests.fixtures.worker_double import StreamWorker
 
 
 def test_a_tenant_holds_at_most_its_share_and_the_queue_bound_still_holds():
@@ -49,36 +50,15 @@ class _Stream:
         pass
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-class _Worker:
-    def __init__(self):
-        self.done = asyncio.Event()
-
-        async def caps():
-            return EngineCapabilities()
-
-        self.generate = _Method(lambda request, batch_key=None: _Stream(self.done))
-        self.capabilities = _Method(caps)
-
-    def options(self, **_):
-        return self
-
-
 def _request(i: int, tenant: str) -> GenerationRequest:
     return GenerationRequest(f"req-{i}", [1, 2, 3], SamplingParams(max_tokens=3), tenant=tenant)
 
 
 @pytest.mark.asyncio
 async def test_a_tenant_past_its_share_gets_429_while_another_still_gets_in():
+    done = asyncio.Event()
     router = Router(
-        _Worker(),
+        StreamWorker(lambda request: _Stream(done)),
         {"router": {"max_queue_depth": 4, "max_queue_share_per_tenant": 0.5}, "dataplane": {"enabled": False}},
     )
     streams = []

@@ -27,7 +27,7 @@ from ray.serve import metrics
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from app.errors import status_of_error
+from app.errors import APIError, InvalidRequestError, status_of_error
 from app.grpc_api import llm_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -53,14 +53,6 @@ FORWARDED_METADATA = ("authorization", "x-session-id")
 
 def grpc_status(http_status: int) -> grpc.StatusCode:
     return GRPC_STATUS.get(http_status, grpc.StatusCode.INTERNAL if http_status >= 500 else grpc.StatusCode.UNKNOWN)
-
-
-class RpcError(Exception):
-    """A request message that no JSON body can stand for (a field given twice)."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 def _json_value(value: Any) -> Any:
@@ -98,7 +90,7 @@ def message_body(msg: Message) -> dict:
         body[name] = value
     for name, value in (extra or {}).items():
         if name in body:
-            raise RpcError(f"'{name}' is given both as a field and in 'extra'; give it once.", param=name)
+            raise InvalidRequestError(f"'{name}' is given both as a field and in 'extra'; give it once.", param=name)
         body[name] = value
     return body
 
@@ -160,11 +152,20 @@ def _set_error(context, status: int, error: dict, headers=None) -> grpc.StatusCo
         trailing = [
             (f"llm-error-{k}", str(error[k])) for k in ("type", "code", "param") if error.get(k) is not None
         ]
-        retry_after = (headers or {}).get("retry-after")
+        retry_after = {k.lower(): v for k, v in (headers or {}).items()}.get("retry-after")
         if retry_after:
             trailing.append(("retry-after", retry_after))
         context.set_trailing_metadata(trailing)
     return code
+
+
+def _api_error(e: Exception, method: str) -> APIError:
+    """``e`` as the client sees it: an ``APIError`` as it is (a request message no body
+    stands for), anything else a bug of this layer: logged, and a generic 500."""
+    if isinstance(e, APIError):
+        return e
+    logger.exception("grpc %s: the reply could not be built", method)
+    return APIError("Internal error building the reply.")
 
 
 def _error_of(response: Response) -> dict:
@@ -223,11 +224,9 @@ class GrpcIngress:
                     request_id = response.headers.get("x-request-id")
                     if request_id and context is not None:
                         context.set_trailing_metadata([("x-request-id", request_id)])
-            except RpcError as e:
-                code = _set_error(context, 400, {"message": e.message, "type": "invalid_request_error", "param": e.param})
-            except Exception:  # noqa: BLE001 - a status, never a traceback to the client
-                logger.exception("grpc %s: the reply could not be built", method)
-                code = _set_error(context, 500, {"message": "Internal error building the reply.", "type": "internal_error"})
+            except Exception as e:  # noqa: BLE001 - a status, never a traceback to the client
+                e = _api_error(e, method)
+                code = _set_error(context, e.status_code, e.body()["error"], e.headers)
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             self._grpc_count(method, code, started)
             return out
@@ -238,16 +237,19 @@ class GrpcIngress:
         started = time.monotonic()
         code = grpc.StatusCode.OK
         body_iterator = None
+
+        def fail(status: int, error: dict, headers=None) -> Message:
+            """The stream's status set to ``error``'s, and the last chunk, which says it
+            too (and carries the context's code to the proxy)."""
+            nonlocal code
+            code = _set_error(context, status, error, headers)
+            return chunk(error=to_message(error, pb.Error))
+
         with self._tracer.start_as_current_span(f"ingress.grpc.{method}") as span:
             span.set_attribute("rpc.system", "grpc")
             span.set_attribute("rpc.method", method)
             try:
-                try:
-                    body = body_of()
-                except RpcError as e:
-                    code = _set_error(context, 400, {"message": e.message, "type": "invalid_request_error", "param": e.param})
-                    yield chunk(error=pb.Error(message=e.message, type="invalid_request_error", param=e.param or ""))
-                    return
+                body = body_of()
                 body["stream"] = True
                 # The last chunk carries usage unless the client said otherwise.
                 body.setdefault("stream_options", {"include_usage": True})
@@ -255,21 +257,15 @@ class GrpcIngress:
                 response = await self._serve(endpoint, http_request("POST", path, context, body), schema)
                 if not isinstance(response, StreamingResponse):
                     # Refused before the first token: the REST route's status and error.
-                    error = _error_of(response)
-                    code = _set_error(context, response.status_code, error, response.headers)
-                    yield chunk(error=to_message(error, pb.Error))
+                    yield fail(response.status_code, _error_of(response), response.headers)
                     return
                 body_iterator = response.body_iterator
                 async for piece in body_iterator:
                     for event in _sse_events(piece):
                         if event is None:
                             return
-                        if "error" in event:
-                            # Mid-stream: the status says it (with the last chunk, which
-                            # carries the context's code to the proxy).
-                            error = event["error"]
-                            code = _set_error(context, status_of_error(error), error)
-                            yield chunk(error=to_message(error, pb.Error))
+                        if "error" in event:  # mid-stream: its event carries no status
+                            yield fail(status_of_error(event["error"]), event["error"])
                             return
                         if event.get("usage") is None:
                             event.pop("usage", None)
@@ -277,10 +273,9 @@ class GrpcIngress:
             except (asyncio.CancelledError, GeneratorExit):
                 code = grpc.StatusCode.CANCELLED  # the client went away
                 raise
-            except Exception:  # noqa: BLE001 - a status, never a traceback to the client
-                logger.exception("grpc %s: the stream could not be built", method)
-                code = _set_error(context, 500, {"message": "Internal error building the stream.", "type": "internal_error"})
-                yield chunk(error=pb.Error(message="Internal error building the stream.", type="internal_error"))
+            except Exception as e:  # noqa: BLE001 - a status, never a traceback to the client
+                e = _api_error(e, method)
+                yield fail(e.status_code, e.body()["error"], e.headers)
             finally:
                 if body_iterator is not None:
                     # A client that went away: the REST stream's own clean-up stops the
@@ -354,6 +349,6 @@ def _completion_body(request: pb.CompletionRequest) -> dict:
     ids = body.pop("prompt_token_ids", None)
     if ids:
         if "prompt" in body:
-            raise RpcError("Give the prompt as 'prompt' or as 'prompt_token_ids', not both.", param="prompt")
+            raise InvalidRequestError("Give the prompt as 'prompt' or as 'prompt_token_ids', not both.", param="prompt")
         body["prompt"] = ids
     return body

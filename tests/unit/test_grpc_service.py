@@ -23,7 +23,7 @@ from app.errors import (
     status_of_error,
 )
 from app.grpc_api import llm_pb2 as pb
-from app.grpc_api.service import RpcError, _completion_body, _sse_events, grpc_status, http_request, message_body
+from app.grpc_api.service import _api_error, _completion_body, _sse_events, grpc_status, http_request, message_body
 
 
 def struct(d: dict) -> struct_pb2.Struct:
@@ -65,11 +65,11 @@ def test_a_request_message_is_the_json_body_of_its_set_fields():
 
 
 def test_a_field_given_twice_is_refused_naming_it():
-    with pytest.raises(RpcError) as e:
+    with pytest.raises(InvalidRequestError) as e:
         message_body(pb.ChatCompletionRequest(model="m", max_tokens=3, extra=struct({"max_tokens": 4})))
     assert e.value.param == "max_tokens"
     assert _completion_body(pb.CompletionRequest(model="m", prompt_token_ids=[1, 2])) == {"model": "m", "prompt": [1, 2]}
-    with pytest.raises(RpcError) as e:
+    with pytest.raises(InvalidRequestError) as e:
         _completion_body(pb.CompletionRequest(model="m", prompt="a", prompt_token_ids=[1]))
     assert e.value.param == "prompt"
 
@@ -135,3 +135,11 @@ def test_the_http_request_carries_the_body_and_only_the_forwarded_metadata():
 
     assert asyncio.run(body()) == b'{"model":"m"}'
     assert http_request("GET", "/v1/models", _Context([], "ipv4:127.0.0.1:9")).client.host == "127.0.0.1"
+
+
+def test_a_bug_of_the_grpc_layer_is_a_generic_internal_error_and_a_request_error_stays_itself():
+    bad = InvalidRequestError("x", param="prompt")
+    assert _api_error(bad, "Completion") is bad
+    bug = _api_error(KeyError("choices"), "Completion")
+    assert bug.status_code == 500 and grpc_status(bug.status_code) == grpc.StatusCode.INTERNAL
+    assert "choices" not in bug.message  # nothing of the exception reaches the client

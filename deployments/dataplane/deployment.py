@@ -1547,11 +1547,11 @@ class DataPlane(DrainsOnStop):
             # Tried even while a refusal is known (one round trip more), so that a turn
             # read just after the server took writes again is not refused on an old
             # state before the write probe notices.
-            touch = True
+            refused = False
             try:
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=True)
             except RedisRefused:
-                touch = False
+                refused = True
                 rec = await self._redis(SESSIONS, self._store.get_session, tenant, session_id, touch=False)
         except UnreadableSessionRecord as e:
             logger.error("DataPlane: tenant %s: %s", tenant, e.message)
@@ -1569,7 +1569,7 @@ class DataPlane(DrainsOnStop):
             self._sessions.pop(key, None)
             return None
         self._cache_session(rec)
-        if not touch:  # the server refuses writes: so would this session's next append
+        if refused:  # the server refuses writes: so would this session's next append
             return dataclasses.replace(rec, messages=list(rec.messages), writes_refused=True)
         return rec
 
@@ -1614,9 +1614,7 @@ class DataPlane(DrainsOnStop):
             return rec
         if result.status == "missing":
             self._sessions.pop(key, None)
-            raise NotFoundError(
-                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
-            )
+            raise self._missing(session_id)
         if result.status == "conflict":
             raise self._conflict(session_id, expected_version, result.version)
         if result.status == "too_many_messages":
@@ -1642,9 +1640,7 @@ class DataPlane(DrainsOnStop):
             return _copy(cached)
         rec = await self.get_session(tenant, session_id)
         if rec is None:  # expired between the two calls
-            raise NotFoundError(
-                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
-            )
+            raise self._missing(session_id)
         return rec
 
     @staticmethod
@@ -1656,6 +1652,12 @@ class DataPlane(DrainsOnStop):
             f"session {session_id!r} cannot be {what} now: the session store is unreachable "
             "and this server holds no copy of it; retry shortly",
             headers={"Retry-After": "1"},
+        )
+
+    @staticmethod
+    def _missing(session_id: str) -> NotFoundError:
+        return NotFoundError(
+            f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
         )
 
     @staticmethod
@@ -1683,9 +1685,7 @@ class DataPlane(DrainsOnStop):
         if rec is None:
             if not known:
                 raise self._unknown_in_outage(session_id, "changed")
-            raise NotFoundError(
-                f"session {session_id!r} not found or expired", param="session_id", code="session_not_found"
-            )
+            raise self._missing(session_id)
         if rec.version != expected_version:
             if turn_id and rec.version == expected_version + 1 and rec.last_turn_id == turn_id:
                 self._m.inc("append_replays")

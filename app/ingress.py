@@ -383,7 +383,7 @@ class Ingress:
         self._dataplane = dataplane
         self._keys = ApiKeys.from_config(self._config.security)
         self._auth_refusals: collections.Counter = collections.Counter()
-        self._auth_logged_at = float("-inf")
+        self._auth_log = telemetry.Every(AUTH_LOG_INTERVAL_S)
         self._sessions = (
             SessionClient(dataplane, self._config.dataplane.sessions) if dataplane else None
         )
@@ -413,9 +413,7 @@ class Ingress:
             reason = "missing" if e.code == "missing_api_key" else "invalid"
             self._m.auth_failures.inc(tags={"reason": reason})
             self._auth_refusals[reason] += 1
-            now = time.monotonic()
-            if now - self._auth_logged_at >= AUTH_LOG_INTERVAL_S:  # a flood of bad keys is one line per interval
-                self._auth_logged_at = now
+            if self._auth_log.due():  # a flood of bad keys is one line per interval
                 client = request.client.host if request.client else "?"
                 logger.info(
                     "401: %d request(s) with a missing and %d with an unknown API key since the last "

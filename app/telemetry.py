@@ -15,6 +15,7 @@ import contextlib
 import logging
 import logging.handlers
 import threading
+import time
 from typing import Iterator, Optional
 
 from opentelemetry import propagate, trace
@@ -103,3 +104,19 @@ def keep_log_handlers(*logger_names: str) -> Iterator[None]:
         for h, target in targets:
             if h.target is None and target is not None:
                 h.setTarget(target)
+
+
+class Every:
+    """``due()`` is true at most once per ``interval_s`` (the first time at once): one log
+    line for a flood of like events, which a metric counts one by one."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last = float("-inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.interval_s:
+            return False
+        self.last = now
+        return True

@@ -146,7 +146,7 @@ class Router:
         self._retries_elsewhere = getattr(worker, "retries_elsewhere", True)
         rc = self._config.router
         self._admission = Admission(rc.max_queue_depth, rc.max_queue_share_per_tenant)
-        self._tenant_refusal_logged_at = float("-inf")
+        self._tenant_refusal_log = telemetry.Every(TENANT_REFUSAL_LOG_INTERVAL_S)
         self._batcher: DynamicBatcher[_Queued] = DynamicBatcher(
             self._dispatch,
             max_batch_size=rc.max_batch_size,
@@ -560,9 +560,7 @@ class Router:
         self._m_rejected.inc(tags={"reason": why})
         retry_after = str(self._config.router.retry_after_s)
         if why == TENANT_QUEUE_FULL:
-            now = time.monotonic()
-            if now - self._tenant_refusal_logged_at >= TENANT_REFUSAL_LOG_INTERVAL_S:
-                self._tenant_refusal_logged_at = now
+            if self._tenant_refusal_log.due():
                 logger.info(
                     "tenant %s holds its share of the router queue (%d of %d places, "
                     "router.max_queue_share_per_tenant): 429 (at most one such line every %.0f s)",

@@ -137,12 +137,13 @@ def test_refused_keys_are_counted_each_and_logged_at_most_once_an_interval(monke
     from types import SimpleNamespace
 
     from app.ingress import AUTH_LOG_INTERVAL_S, Ingress
+    from app.telemetry import Every
 
     counted = []
     ing = Ingress.__new__(Ingress)
     ing._keys = keys_from(f"acme:{KEY_A}", monkeypatch=monkeypatch)
     ing._m = SimpleNamespace(auth_failures=SimpleNamespace(inc=lambda tags: counted.append(tags["reason"])))
-    ing._auth_refusals, ing._auth_logged_at = collections.Counter(), float("-inf")
+    ing._auth_refusals, ing._auth_log = collections.Counter(), Every(AUTH_LOG_INTERVAL_S)
 
     def request(authorization=None):
         headers = {} if authorization is None else {"authorization": authorization}
@@ -153,7 +154,7 @@ def test_refused_keys_are_counted_each_and_logged_at_most_once_an_interval(monke
         with pytest.raises(AuthenticationError):
             ing._authenticate(request(authorization))
     assert ing._authenticate(request(f"Bearer {KEY_A}")) == "acme"
-    ing._auth_logged_at -= AUTH_LOG_INTERVAL_S  # the interval passed
+    ing._auth_log.last -= AUTH_LOG_INTERVAL_S  # the interval passed
     with pytest.raises(AuthenticationError):
         ing._authenticate(request())
     assert counted == ["missing", "invalid", "invalid", "missing"]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from app.local_redis import _free_port
 from loadtests.benchmark import write_report
 
 APIS = ("rest", "grpc")
@@ -36,14 +37,6 @@ APIS = ("rest", "grpc")
 
 def _say(msg: str) -> None:
     print(f"[grpc-vs-rest] {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _body(i: int, output_len: int) -> dict:

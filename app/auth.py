@@ -66,20 +66,22 @@ def parse_keys(text: str, source: str, comments: bool = False) -> dict[bytes, st
             )
         if len(key) < MIN_KEY_LENGTH:
             raise KeyConfigError(f"{where} (tenant {tenant!r}): a key needs at least {MIN_KEY_LENGTH} characters")
-        d = _digest(key)
-        if keys.get(d, tenant) != tenant:
-            raise KeyConfigError(f"{where}: the same key is given to tenants {keys[d]!r} and {tenant!r}")
-        keys[d] = tenant
+        _assign(keys, _digest(key), tenant, f"{where}: ")
     return keys
+
+
+def _assign(keys: dict[bytes, str], digest: bytes, tenant: str, where: str = "") -> None:
+    """``keys[digest] = tenant``, unless that key is another tenant's already."""
+    if keys.get(digest, tenant) != tenant:
+        raise KeyConfigError(f"{where}the same key is given to tenants {keys[digest]!r} and {tenant!r}")
+    keys[digest] = tenant
 
 
 def _merge(parts: list[dict[bytes, str]]) -> dict[bytes, str]:
     merged: dict[bytes, str] = {}
     for part in parts:
         for d, tenant in part.items():
-            if merged.get(d, tenant) != tenant:
-                raise KeyConfigError(f"the same key is given to tenants {merged[d]!r} and {tenant!r}")
-            merged[d] = tenant
+            _assign(merged, d, tenant)
     return merged
 
 

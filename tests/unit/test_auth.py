@@ -21,6 +21,12 @@ KEY_C = "c" * 20
 def serve_log(caplog, monkeypatch):
     """What the "ray.serve" logger writes at INFO and above (importing Ray Serve may stop
     it propagating to the root logger, where caplog listens)."""
+    # Imported first: importing Ray Serve sets up that logger (its handlers, and no
+    # propagation), which would undo the handler below when a test imports it later, and
+    # while propagation is still on, each record would reach caplog twice. Run alone,
+    # this file saw 4 lines where 2 were due, and none in the 401 test.
+    import ray.serve  # noqa: F401
+
     caplog.set_level(logging.INFO, logger="ray.serve")
     monkeypatch.setattr(logging.getLogger("ray.serve"), "handlers", [caplog.handler])
     return caplog

@@ -897,16 +897,13 @@ class Ingress:
                     session_lookup = self._start_session_lookup(sessions, request.headers.get("x-session-id"))
                 req = self._validate(schema, await self._read_json(request))
                 turn = check = None
-                if req.n > self._router.max_tenant_places:
+                places = self._router.max_tenant_places
+                if req.n > places:
                     # Each choice takes a place in the router's queue (of the tenant's
                     # share of it): a request with more choices could never get in.
+                    share = "" if places == self._config.router.max_queue_depth else " (one API key's share of it)"
                     raise InvalidRequestError(
-                        f"n={req.n} exceeds this server's queue depth of "
-                        f"{self._router.max_tenant_places}"
-                        + ("" if self._router.max_tenant_places == self._config.router.max_queue_depth
-                           else " (one API key's share of it)")
-                        + ".",
-                        param="n",
+                        f"n={req.n} exceeds this server's queue depth of {places}{share}.", param="n"
                     )
                 if isinstance(req, ChatCompletionRequest):
                     if req.n > 1 and _named_session(request, req) is not None:

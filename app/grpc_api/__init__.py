@@ -2,4 +2,4 @@
 Ingress's RPC methods (``service.py``)."""
 
 # What Serve's gRPC proxy adds to its server (``grpc_options.grpc_servicer_functions``).
-SERVICER_FUNCTION = "app.grpc_api.llm_pb2_grpc.add_LLMServicer_to_server"
+SERVICER_FUNCTION = "app.grpc_api.proxy_fix.add_servicer"

@@ -1,7 +1,8 @@
 """The gRPC API (app/grpc_api/llm.proto) through Serve's real gRPC proxy, on a real
 socket, against the shared application with both engines: the same answers as the REST
 API, its errors as gRPC status codes with the error's fields as trailing metadata,
-sessions, a stream the client cancels (its generation stops), and the per-call metric."""
+sessions, a stream the client cancels (its generation stops, also when Serve's proxy is
+waiting to write to it), and the metrics."""
 
 from __future__ import annotations
 
@@ -159,7 +160,9 @@ def test_sessions_over_grpc(served_app, stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and trailing(e.value)["llm-error-param"] == "session_id"
 
 
-def test_a_cancelled_stream_stops_its_generation(served_app, stub):
+def long_stream(stub):
+    """A stream of the context's length; its max_tokens and the worker's token count
+    before it."""
     max_len = stub.ListModels(pb.ListModelsRequest(), metadata=APP, timeout=60).data[0].max_model_len
     assert max_len > 64
     max_tokens = max_len - 8
@@ -170,6 +173,11 @@ def test_a_cancelled_stream_stops_its_generation(served_app, stub):
         pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[13] * 8, max_tokens=max_tokens, extra=extra),
         metadata=APP, timeout=120,
     )
+    return call, max_tokens, before
+
+
+def test_a_cancelled_stream_stops_its_generation(served_app, stub):
+    call, max_tokens, before = long_stream(stub)
     got = [next(call) for _ in range(3)]
     assert any(c.choices and c.choices[0].text for c in got)
     call.cancel()
@@ -178,6 +186,34 @@ def test_a_cancelled_stream_stops_its_generation(served_app, stub):
     # Not stopped, the request would have generated max_tokens tokens before leaving.
     assert stats.num_generated_tokens - before < max_tokens // 2, (before, stats.num_generated_tokens)
     assert stub.ChatCompletion(chat("after", max_tokens=2), metadata=APP, timeout=60).usage.completion_tokens == 2
+
+
+def test_a_stream_cancelled_while_the_proxy_waits_to_write_stops_its_generation(served_app, grpc_port):
+    # A client that stops reading fills its stream's HTTP/2 window (1 KiB here, BDP probing
+    # off so that it stays so), so Serve's proxy is waiting in a write when the cancel lands:
+    # the case that Ray Serve 2.60's proxy did not cancel (app/grpc_api/proxy_fix.py).
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options)
+    try:
+        call, max_tokens, before = long_stream(llm_pb2_grpc.LLMStub(channel))
+        assert next(call).choices
+        # Read nothing more until the worker is well past what the window holds.
+        deadline = time.monotonic() + 60
+        while (generated := worker_stats().num_generated_tokens - before) < 200:
+            assert time.monotonic() < deadline, generated
+            time.sleep(0.1)
+        assert generated < max_tokens // 2, "the generation ended before the test could cancel it"
+        call.cancel()
+        stats = idle_worker_stats()
+        assert stats.num_running == 0
+        assert stats.num_generated_tokens - before < max_tokens // 2, (before, stats.num_generated_tokens)
+    finally:
+        channel.close()
+    deadline = time.monotonic() + 90  # the fix counts what it cancelled
+    while not any(line.startswith("ray_llm_grpc_proxy_cancels_total") and float(line.split()[-1]) >= 1
+                  for line in httpx.get(served_app.base_url + "/metrics", timeout=60).text.splitlines()):
+        assert time.monotonic() < deadline
+        time.sleep(1)
 
 
 def test_grpc_calls_are_counted_by_method_and_code(served_app, stub):

@@ -447,8 +447,56 @@ class IngressConfig(_Strict):
         )
 
 
+class TenantRateLimits(_Strict):
+    requests_per_minute: Optional[int] = Field(
+        default=None, ge=1, le=10**9,
+        description="Completions and chat completions a tenant may start per minute; null: "
+        "no limit.",
+    )
+    tokens_per_minute: Optional[int] = Field(
+        default=None, ge=1, le=10**12,
+        description="Tokens a tenant may use per minute: a request is charged its prompt "
+        "plus n × max_tokens when it starts, and what it did not generate is given back "
+        "when it ends; null: no limit.",
+    )
+
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
+
+class RateLimitsConfig(TenantRateLimits):
+    """Per-tenant rate limits (app/rate_limits.py), shared by every ingress replica through
+    the data plane's Redis (``dataplane.redis``). The top-level limits apply to every
+    tenant (``default`` too, while API keys are off) that ``tenants`` does not list."""
+
+    tenants: dict[str, TenantRateLimits] = Field(
+        default_factory=dict,
+        description="A tenant's own limits, instead of the top-level ones (a limit it "
+        "leaves out is no limit for it).",
+    )
+
+    @model_validator(mode="after")
+    def _tenant_names(self) -> "RateLimitsConfig":
+        from app.auth import TENANT_RE
+
+        for name in self.tenants:
+            if not TENANT_RE.match(name):
+                raise ValueError(f"rate_limits.tenants: {name!r} is not a tenant name (letters, digits, "
+                                 "'_', '.' or '-', at most 64, starting with a letter or digit)")
+        return self
+
+    @property
+    def any(self) -> bool:
+        return self.limited or any(t.limited for t in self.tenants.values())
+
+    def of(self, tenant: str) -> TenantRateLimits:
+        return self.tenants.get(tenant, self)
+
+
 class SecurityConfig(_Strict):
-    """API keys → tenants (app/auth.py). The keys themselves never go here."""
+    """API keys → tenants (app/auth.py), and their rate limits (app/rate_limits.py). The
+    keys themselves never go here."""
 
     api_keys_env: Optional[str] = Field(
         default="LLM_API_KEYS",
@@ -466,6 +514,11 @@ class SecurityConfig(_Strict):
     )
     reload_interval_s: float = Field(
         default=5.0, gt=0, le=3600, description="How often api_keys_file is checked for a change."
+    )
+    rate_limits: RateLimitsConfig = Field(
+        default_factory=RateLimitsConfig,
+        description="Requests and tokens per minute, per tenant (off by default); needs "
+        "the data plane's Redis.",
     )
 
 
@@ -754,6 +807,11 @@ class AppConfig(_Strict):
             raise ValueError(
                 f"router.max_batch_size ({self.router.max_batch_size}) must not exceed "
                 f"compute.max_ongoing_requests ({self.compute.max_ongoing_requests})"
+            )
+        if self.security.rate_limits.any and not self.dataplane.enabled:
+            raise ValueError(
+                "security.rate_limits keeps its counts in the data plane's Redis: it needs "
+                "dataplane.enabled"
             )
         batched = self.engine.vllm.max_num_batched_tokens
         if self.engine.name == "vllm" and batched is not None and batched < self.engine.max_num_seqs:

@@ -44,6 +44,7 @@ from app.errors import (
 )
 from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
+from app.rate_limits import Grant, RateLimiter
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.sessions import (
     TOKEN_IDS_KEY,
@@ -333,6 +334,8 @@ class _Call:
         # (token id, TokenLogprobs) of every output token, for a reply sent whole that
         # asked for logprobs (a stream hands each delta's own to its chunk).
         self.logprob_items: Optional[list] = None
+        # The request's rate-limit charge (app/rate_limits.py), settled at its end.
+        self.grant: Optional[Grant] = None
 
     def on_delta(self, delta: TokenDelta) -> None:
         if self.first_token_at is None and delta.token_ids:
@@ -387,6 +390,8 @@ class Ingress:
         self._sessions = (
             SessionClient(dataplane, self._config.dataplane.sessions) if dataplane else None
         )
+        limits = self._config.security.rate_limits
+        self._limiter = RateLimiter(limits, self._config.dataplane.redis) if limits.any else None
         telemetry.setup(self._config.telemetry, "ingress")
         self._tracer = telemetry.tracer(__name__)
         # The router runs in this process (not as a deployment of its own), so a token
@@ -532,13 +537,9 @@ class Ingress:
             )
         return req
 
-    def _generation_request(self, req, prompt_ids: list[int], tenant: str = DEFAULT_TENANT) -> GenerationRequest:
-        num_prompt = len(prompt_ids)
-        vocab = len(self._tokenizer)
-        if any(t >= vocab for t in prompt_ids):
-            raise InvalidRequestError(
-                f"Prompt token ids must be below the vocabulary size {vocab}.", param="prompt"
-            )
+    def _max_tokens(self, req, num_prompt: int) -> int:
+        """The request's ``max_tokens``, or the default that the context leaves room for;
+        a 400 when the prompt and it do not fit the context."""
         requested = req.requested_max_tokens()
         room = self._max_model_len - num_prompt
         if requested is None:
@@ -549,8 +550,8 @@ class Ingress:
                     param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                     code="context_length_exceeded",
                 )
-            max_tokens = min(self._config.limits.default_max_tokens, room)
-        elif num_prompt + requested > self._max_model_len:
+            return min(self._config.limits.default_max_tokens, room)
+        if num_prompt + requested > self._max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self._max_model_len} tokens. "
                 f"However, you requested {num_prompt + requested} tokens "
@@ -558,8 +559,16 @@ class Ingress:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        else:
-            max_tokens = requested
+        return requested
+
+    def _generation_request(self, req, prompt_ids: list[int], tenant: str = DEFAULT_TENANT) -> GenerationRequest:
+        num_prompt = len(prompt_ids)
+        vocab = len(self._tokenizer)
+        if any(t >= vocab for t in prompt_ids):
+            raise InvalidRequestError(
+                f"Prompt token ids must be below the vocabulary size {vocab}.", param="prompt"
+            )
+        max_tokens = self._max_tokens(req, num_prompt)
         return GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
@@ -781,6 +790,9 @@ class Ingress:
     def _record(self, calls: list[_Call], status: int) -> None:
         """One request's metrics and log line; ``calls`` are its choices (``n``)."""
         call = calls[0]
+        if call.grant is not None:  # what it did not generate goes back to its bucket
+            self._refund(call.grant, call.grant.tokens - call.num_prompt_tokens
+                         - sum(c.num_output_tokens for c in calls))
         tags = {"endpoint": call.endpoint}
         self._m.requests.inc(tags={"endpoint": call.endpoint, "status": str(status)})
         if status != 200:
@@ -887,7 +899,7 @@ class Ingress:
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
         received = time.monotonic()
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
-            early_session = session_lookup = None
+            early_session = session_lookup = grant = None
             try:
                 tenant = self._authenticate(request, span)
                 sessions = self._sessions_of(tenant)
@@ -917,6 +929,10 @@ class Ingress:
                 else:
                     _refuse_session(request, req)
                     prompt_ids = self._completion_prompt_ids(req)
+                if self._limiter is not None:
+                    grant = await self._limiter.acquire(
+                        tenant, len(prompt_ids) + req.n * self._max_tokens(req, len(prompt_ids))
+                    )
                 started = time.monotonic()
                 try:
                     calls, streams, firsts = await self._start(
@@ -944,7 +960,10 @@ class Ingress:
                 else:
                     if turn is not None:
                         self._count_session_turn(span, "hit" if check is not None else "miss")
+                calls[0].grant = grant
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+                if grant is not None:  # it generated nothing
+                    self._refund(grant, grant.tokens)
                 err = to_api_error(e)
                 span.set_attribute("http.status_code", err.status_code)
                 self._m.requests.inc(tags={"endpoint": endpoint, "status": str(err.status_code)})
@@ -954,13 +973,23 @@ class Ingress:
                     early_session.cancel()  # unused (the request failed first): a read only
                 if session_lookup is not None:
                     session_lookup.task.cancel()  # the router took it before the worker call, or never will
+            limit_headers = {} if grant is None else grant.headers
             if req.stream:
                 return StreamingResponse(
                     self._stream_body(req, calls, firsts, streams),
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Request-Id": calls[0].request_id},
+                    headers={"Cache-Control": "no-cache", "X-Request-Id": calls[0].request_id, **limit_headers},
                 )
-            return await self._complete_body(req, calls, firsts, streams)
+            response = await self._complete_body(req, calls, firsts, streams)
+            response.headers.update(limit_headers)
+            return response
+
+    def _refund(self, grant: Grant, unused_tokens: int) -> None:
+        """Give ``unused_tokens`` back to ``grant``'s bucket, in the background."""
+        if grant.tokens and unused_tokens > 0:
+            refund = asyncio.ensure_future(self._limiter.refund(grant, unused_tokens))
+            self._stopping.add(refund)  # held until done (the loop keeps weak refs)
+            refund.add_done_callback(self._stopping.discard)
 
     def _count_session_turn(self, span, result: str) -> None:
         self._m.session_cache.inc(tags={"result": result})

@@ -29,6 +29,9 @@ APP_NAME = "keyed"
 ROUTE_PREFIX = "/keyed"
 ACME = "acme-0123456789abcdef"
 GLOBEX = "globex-0123456789abcdef"
+INITECH = "initech-0123456789abcdef"
+# initech alone has rate limits (acme and globex none).
+INITECH_RPM, INITECH_TPM = 4, 400
 RELOAD_S = 0.5
 SHARE = 0.25
 
@@ -39,12 +42,16 @@ def keyed_app(request, tmp_path_factory, ray_cluster, redis_server, http_port):
     if engine == "vllm" and not vllm_importable():
         pytest.skip("vLLM is not installed here")
     keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
-    keys_file.write_text(f"# tenant:key\nacme:{ACME}\nglobex:{GLOBEX}\n")
+    keys_file.write_text(f"# tenant:key\nacme:{ACME}\nglobex:{GLOBEX}\ninitech:{INITECH}\n")
     args = app_args(
         get_model_path("tiny"),
         redis_server.url,
         engine=ENGINE_ARGS[engine],
-        security={"api_keys_file": str(keys_file), "reload_interval_s": RELOAD_S},
+        security={
+            "api_keys_file": str(keys_file), "reload_interval_s": RELOAD_S,
+            "rate_limits": {"tenants": {"initech": {"requests_per_minute": INITECH_RPM,
+                                                    "tokens_per_minute": INITECH_TPM}}},
+        },
         # A tenant may hold a quarter of the router queue (12 of 48 places): fewer than
         # the engine's 16 sequences, so each admitted request runs at once.
         router={"max_queue_share_per_tenant": SHARE},
@@ -271,6 +278,62 @@ def test_a_tenant_that_floods_the_router_leaves_room_for_the_others(keyed_app):
     for error, retry_after in refused:
         assert error["error"]["code"] == "tenant_queue_full" and int(retry_after) >= 1, error
     assert [r.status_code for r in others] == [200] * 4, [r.text for r in others]
+
+
+def test_a_tenants_rate_limits_hold_its_requests_and_tokens_and_no_one_elses(keyed_app, grpc_port, redis_client):
+    """initech may start 4 requests and use 400 tokens a minute: its answers carry
+    OpenAI's x-ratelimit headers; a request over a whole minute's tokens is a 429 that
+    uses nothing; the fifth request is a 429 with Retry-After, over REST and gRPC alike;
+    acme, without limits, is served throughout and gets no such headers."""
+    import grpc
+
+    from app.grpc_api import llm_pb2 as pb
+    from app.grpc_api import llm_pb2_grpc
+    from app.rate_limits import rate_key
+
+    _, base, _ = keyed_app
+    redis_client.delete(rate_key("initech"))  # the other engine's app used the same Redis
+    initech, acme = ({"Authorization": f"Bearer {k}"} for k in (INITECH, ACME))
+    body = {"model": "tiny-llama", "prompt": [12] * 6, "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        r = http.post("/v1/completions", headers=initech, json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ratelimit-limit-requests"] == str(INITECH_RPM)
+        assert r.headers["x-ratelimit-remaining-requests"] == str(INITECH_RPM - 1)
+        assert r.headers["x-ratelimit-limit-tokens"] == str(INITECH_TPM)
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == INITECH_TPM - 10  # 6 + 4 charged
+        r = http.post("/v1/completions", headers=initech, json={**body, "max_tokens": INITECH_TPM})
+        assert r.status_code == 429 and "retry-after" not in r.headers, r.text
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "too large" in r.json()["error"]["message"]
+        with http.stream("POST", "/v1/completions", headers=initech, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            assert r.headers["x-ratelimit-remaining-requests"] == str(INITECH_RPM - 2)  # the 429 used none
+            assert "[DONE]" in r.read().decode()
+        for _ in range(INITECH_RPM - 2):
+            assert http.post("/v1/completions", headers=initech, json=body).status_code == 200
+        r = http.post("/v1/chat/completions", headers=initech,
+                      json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        assert "requests per minute" in error["message"] and int(r.headers["retry-after"]) >= 1
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        r = http.post("/v1/completions", headers=acme, json=body)
+        assert r.status_code == 200 and "x-ratelimit-limit-requests" not in r.headers
+    chat = pb.ChatCompletionRequest(model="tiny-llama", messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=2)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            llm_pb2_grpc.LLMStub(channel).ChatCompletion(
+                chat, metadata=(("application", APP_NAME), ("authorization", f"Bearer {INITECH}")), timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailing = {m.key: m.value for m in e.value.trailing_metadata()}
+    assert trailing["llm-error-code"] == "rate_limit_exceeded" and int(trailing["retry-after"]) >= 1
+
+    def counted(text: str) -> bool:
+        return any('tenant="initech"' in line and 'limit="requests"' in line
+                   for line in text.splitlines() if line.startswith("ray_llm_rate_limited_total"))
+
+    wait_for(lambda: counted(httpx.get(base + "/metrics", timeout=60).text), 90, "initech's 429s in /metrics")
 
 
 # Last in the module: it revokes globex's key (the next engine's app starts with both).

@@ -27,7 +27,10 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict types, as OpenAI's API checks them: `"max_tokens": true` or `"5"`, `"n": 2.0`
+    # or `"stream": "yes"` are 400s naming the field, not 1, 5, 2 and True. (A whole
+    # number is still a valid float.)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -217,11 +220,13 @@ _UNSUPPORTED_ANY = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None

@@ -532,6 +532,10 @@ def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, para
         ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
         ({"logit_bias": {"99999": 1}}, "logit_bias"),  # not a token of this vocabulary
         ({"presence_penalty": 2.5}, "presence_penalty"),
+        # Strict JSON types, as OpenAI's: not coerced to 1 token, 4 tokens, a stream.
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"stream": "true"}, "stream"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(served_app, override, param):

@@ -138,6 +138,31 @@ def test_out_of_range_extra_sampling_fields_are_named(field, value):
     assert e.value.errors()[0]["loc"][0] == field
 
 
+@pytest.mark.parametrize(
+    "base, field, value",
+    [
+        (CHAT_REQ, "max_tokens", True), (CHAT_REQ, "max_tokens", "5"), (CHAT_REQ, "max_tokens", 5.0),
+        (CHAT_REQ, "n", True), (CHAT_REQ, "seed", "7"), (CHAT_REQ, "temperature", "0.5"),
+        (CHAT_REQ, "top_p", True), (CHAT_REQ, "stream", "true"), (CHAT_REQ, "stream", 1),
+        (CHAT_REQ, "logprobs", 1), (CHAT_REQ, "top_logprobs", "2"), (CHAT_REQ, "ignore_eos", "1"),
+        (CHAT_REQ, "stream_options", {"include_usage": "yes"}),
+        (CHAT_REQ, "messages", [{"role": "user", "content": 5}]),
+        (COMPLETION_REQ, "logprobs", True), (COMPLETION_REQ, "prompt", [1.0, 2.0]),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(base, field, value):
+    """As OpenAI's API: `true` is not 1 token, nor "5" five, nor 1 a stream."""
+    schema = ChatCompletionRequest if "messages" in base else CompletionRequest
+    with pytest.raises(ValidationError) as e:
+        schema.model_validate({**base, field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_a_whole_number_is_a_valid_float():
+    req = ChatCompletionRequest.model_validate({**CHAT_REQ, "temperature": 1, "top_p": 1, "logit_bias": {"5": 2}})
+    assert req.temperature == 1.0 and req.logit_bias == {"5": 2.0}
+
+
 def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,

@@ -144,6 +144,13 @@ def http_request(method: str, path: str, context, body: Optional[dict] = None) -
     return Request(scope, receive)
 
 
+def _answer_metadata(headers) -> list[tuple[str, str]]:
+    """The REST answer's headers a gRPC client gets as trailing metadata: the request's
+    id, ``retry-after``, and a rate-limited tenant's ``x-ratelimit-*`` (app/rate_limits.py)."""
+    return [(k.lower(), v) for k, v in (headers or {}).items()
+            if k.lower() in ("x-request-id", "retry-after") or k.lower().startswith("x-ratelimit-")]
+
+
 def _set_error(context, status: int, error: dict, headers=None) -> grpc.StatusCode:
     code = grpc_status(status)
     if context is not None:
@@ -152,10 +159,7 @@ def _set_error(context, status: int, error: dict, headers=None) -> grpc.StatusCo
         trailing = [
             (f"llm-error-{k}", str(error[k])) for k in ("type", "code", "param") if error.get(k) is not None
         ]
-        retry_after = {k.lower(): v for k, v in (headers or {}).items()}.get("retry-after")
-        if retry_after:
-            trailing.append(("retry-after", retry_after))
-        context.set_trailing_metadata(trailing)
+        context.set_trailing_metadata(trailing + _answer_metadata(headers))
     return code
 
 
@@ -221,9 +225,8 @@ class GrpcIngress:
                 else:
                     out = to_message(json.loads(response.body), reply)
                     code = grpc.StatusCode.OK
-                    request_id = response.headers.get("x-request-id")
-                    if request_id and context is not None:
-                        context.set_trailing_metadata([("x-request-id", request_id)])
+                    if context is not None and (metadata := _answer_metadata(response.headers)):
+                        context.set_trailing_metadata(metadata)
             except Exception as e:  # noqa: BLE001 - a status, never a traceback to the client
                 e = _api_error(e, method)
                 code = _set_error(context, e.status_code, e.body()["error"], e.headers)
@@ -259,6 +262,8 @@ class GrpcIngress:
                     # Refused before the first token: the REST route's status and error.
                     yield fail(response.status_code, _error_of(response), response.headers)
                     return
+                if context is not None and (metadata := _answer_metadata(response.headers)):
+                    context.set_trailing_metadata(metadata)
                 body_iterator = response.body_iterator
                 async for piece in body_iterator:
                     for event in _sse_events(piece):

@@ -309,8 +309,17 @@ def test_a_tenants_rate_limits_hold_its_requests_and_tokens_and_no_one_elses(key
             assert r.status_code == 200
             assert r.headers["x-ratelimit-remaining-requests"] == str(INITECH_RPM - 2)  # the 429 used none
             assert "[DONE]" in r.read().decode()
-        for _ in range(INITECH_RPM - 2):
-            assert http.post("/v1/completions", headers=initech, json=body).status_code == 200
+        assert INITECH_RPM == 4
+        assert http.post("/v1/completions", headers=initech, json=body).status_code == 200
+        # The fourth over gRPC: the headers come as trailing metadata.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            reply, call = llm_pb2_grpc.LLMStub(channel).Completion.with_call(
+                pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[12] * 6, max_tokens=4),
+                metadata=(("application", APP_NAME), ("authorization", f"Bearer {INITECH}")), timeout=60)
+        assert reply.usage.completion_tokens <= 4
+        trailing = dict(call.trailing_metadata())
+        assert trailing["x-ratelimit-limit-requests"] == str(INITECH_RPM)
+        assert trailing["x-ratelimit-remaining-requests"] == "0" and "x-ratelimit-remaining-tokens" in trailing
         r = http.post("/v1/chat/completions", headers=initech,
                       json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 429, r.text

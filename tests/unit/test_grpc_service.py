@@ -143,3 +143,15 @@ def test_a_bug_of_the_grpc_layer_is_a_generic_internal_error_and_a_request_error
     bug = _api_error(KeyError("choices"), "Completion")
     assert bug.status_code == 500 and grpc_status(bug.status_code) == grpc.StatusCode.INTERNAL
     assert "choices" not in bug.message  # nothing of the exception reaches the client
+
+
+def test_an_answers_id_retry_after_and_rate_limit_headers_become_trailing_metadata():
+    from app.grpc_api.service import _answer_metadata
+
+    headers = {"X-Request-Id": "r1", "Retry-After": "3", "x-ratelimit-remaining-tokens": "90",
+               "x-ratelimit-reset-requests": "1s", "content-type": "application/json", "set-cookie": "x"}
+    assert sorted(_answer_metadata(headers)) == [
+        ("retry-after", "3"), ("x-ratelimit-remaining-tokens", "90"), ("x-ratelimit-reset-requests", "1s"),
+        ("x-request-id", "r1"),
+    ]
+    assert _answer_metadata(None) == []

@@ -144,7 +144,7 @@ def test_out_of_range_extra_sampling_fields_are_named(field, value):
         (CHAT_REQ, "max_tokens", True), (CHAT_REQ, "max_tokens", "5"), (CHAT_REQ, "max_tokens", 5.0),
         (CHAT_REQ, "n", True), (CHAT_REQ, "seed", "7"), (CHAT_REQ, "temperature", "0.5"),
         (CHAT_REQ, "top_p", True), (CHAT_REQ, "stream", "true"), (CHAT_REQ, "stream", 1),
-        (CHAT_REQ, "logprobs", 1), (CHAT_REQ, "top_logprobs", "2"), (CHAT_REQ, "ignore_eos", "1"),
+        (CHAT_REQ, "logprobs", 1), ({**CHAT_REQ, "logprobs": True}, "top_logprobs", "2"), (CHAT_REQ, "ignore_eos", "1"),
         (CHAT_REQ, "stream_options", {"include_usage": "yes"}),
         (CHAT_REQ, "messages", [{"role": "user", "content": 5}]),
         (COMPLETION_REQ, "logprobs", True), (COMPLETION_REQ, "prompt", [1.0, 2.0]),

@@ -14,7 +14,7 @@ with ``Retry-After`` (when enough has refilled for it) and OpenAI's ``x-ratelimi
 headers, which an admitted request carries too. A request that asks for more tokens than
 a whole minute's bucket can never pass: its 429 says so and carries no ``Retry-After``.
 
-Redis unreachable: requests pass unchecked (a limit must not take the service down with
+Redis unreachable, or refusing writes (full, read-only): requests pass unchecked (a limit must not take the service down with
 its store), counted in ``llm_rate_limit_unchecked_total`` with a log line a minute at
 most.
 """
@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import telemetry
 from app.config import RateLimitsConfig, RedisConfig, TenantRateLimits
 from app.errors import RateLimitError
+from deployments.dataplane.keys import rate_key
+from deployments.dataplane.redis_store import _client, refusal_code, unavailable_reply
 
 logger = logging.getLogger("ray.serve")
 
@@ -93,10 +96,10 @@ return 1
 """
 
 
-def rate_key(tenant: str) -> str:
-    from deployments.dataplane import keys
-
-    return f"{keys.PREFIX}:{keys._q(tenant)}:rate"
+def _not_serving(error: ResponseError) -> bool:
+    """A reply by which a running Redis refuses writes (full, read-only, a failed AOF) or
+    serves nobody now (a busy script, a replica cut off): as unreachable here."""
+    return refusal_code(error) is not None or unavailable_reply(error) is not None
 
 
 def duration(ms: int) -> str:
@@ -131,8 +134,6 @@ def _headers(limits: dict[str, int], reply: list[int]) -> dict[str, str]:
 
 class RateLimiter:
     def __init__(self, config: RateLimitsConfig, redis: RedisConfig, environ=os.environ):
-        from deployments.dataplane.redis_store import _client
-
         self._config = config
         self._client = _client(redis, environ)
         self._charge = self._client.register_script(_CHARGE)
@@ -169,7 +170,9 @@ class RateLimiter:
             args += [dimension, limit, costs[dimension]]
         try:
             reply = [int(v) for v in await self._charge(keys=[rate_key(tenant)], args=args)]
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as e:
+            if isinstance(e, ResponseError) and not _not_serving(e):
+                raise  # a bug here (the script), not Redis's state
             self._unchecked.inc()
             if self._unchecked_log.due():
                 logger.warning("rate limits unchecked: Redis did not answer (%s); requests pass "
@@ -212,8 +215,9 @@ class RateLimiter:
             return
         try:
             await self._refund(keys=[rate_key(grant.tenant)], args=[PERIOD_MS, "tokens", limit, unused])
-        except (RedisConnectionError, RedisTimeoutError, OSError):
-            pass  # the bucket refills by itself; a lost refund only charges the full budget
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as e:
+            if isinstance(e, ResponseError) and not _not_serving(e):
+                raise  # the bucket refills by itself; a lost refund only charges the full budget
 
     async def close(self) -> None:
         await self._client.aclose()

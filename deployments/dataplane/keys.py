@@ -12,6 +12,9 @@ them cannot forge another key. No braces: each key hashes to its own Redis Clust
     llm:<tenant>:kvroots            zset   root (first block hash) of every stored chain,
                                            scored by the wall time of its last store or hit
                                            (root_index.py)
+    llm:<tenant>:rate               hash   the tenant's rate-limit buckets (app/rate_limits.py):
+                                           field per limit ("requests", "tokens"), its
+                                           theoretical arrival time in ms; expires once full
     llm:!probe:<replica>            string a data-plane replica's write probe (no tenant
                                            data; lives a second): is a server that
                                            refused writes taking them again? (A quoted
@@ -37,6 +40,10 @@ def session_key(tenant: str, session_id: str) -> str:
 
 def session_blocks_key(tenant: str, session_id: str) -> str:
     return f"{session_key(tenant, session_id)}:blocks"
+
+
+def rate_key(tenant: str) -> str:
+    return f"{PREFIX}:{_q(tenant)}:rate"
 
 
 def block_key(tenant: str, block_hash: str) -> str:

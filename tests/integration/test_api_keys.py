@@ -289,7 +289,7 @@ def test_a_tenants_rate_limits_hold_its_requests_and_tokens_and_no_one_elses(key
 
     from app.grpc_api import llm_pb2 as pb
     from app.grpc_api import llm_pb2_grpc
-    from app.rate_limits import rate_key
+    from deployments.dataplane.keys import rate_key
 
     _, base, _ = keyed_app
     redis_client.delete(rate_key("initech"))  # the other engine's app used the same Redis

@@ -1,6 +1,6 @@
 """Per-tenant rate limits (app/rate_limits.py) against a real redis-server: the buckets,
 their headers and refusals, what a refused request leaves untouched, refunds, refill,
-two limiters (two ingress replicas) sharing one bucket, and Redis down."""
+two limiters (two ingress replicas) sharing one bucket, and Redis down or refusing writes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from app.config import RateLimitsConfig, RedisConfig
 from app.errors import RateLimitError
-from app.rate_limits import RateLimiter, duration, rate_key
+from app.rate_limits import RateLimiter, duration
+from deployments.dataplane.keys import rate_key
 from tests.fixtures.serve_app import free_port
 
 
@@ -124,6 +125,23 @@ async def test_with_redis_down_requests_pass_unchecked():
     )
     assert await rl.acquire("acme", 1) is None
     assert await rl.acquire("acme", 1) is None
+    await rl.close()
+
+
+async def test_a_redis_that_refuses_writes_lets_requests_pass(redis_server, fresh):
+    rl = limiter(redis_server, requests_per_minute=1)
+    policy = fresh.config_get("maxmemory-policy")["maxmemory-policy"]
+    fresh.config_set("maxmemory-policy", "noeviction")
+    fresh.config_set("maxmemory", 1)  # every write: OOM
+    try:
+        assert await rl.acquire("acme", 1) is None
+        assert await rl.acquire("acme", 1) is None
+    finally:
+        fresh.config_set("maxmemory", 0)
+        fresh.config_set("maxmemory-policy", policy)
+    assert await rl.acquire("acme", 1) is not None  # checked again, the bucket full
+    with pytest.raises(RateLimitError):
+        await rl.acquire("acme", 1)
     await rl.close()
 
 

@@ -144,12 +144,12 @@ class RateLimiter:
         from ray.util.metrics import Counter
 
         self._limited = Counter(
-            "llm_rate_limited_total", "Requests refused by a tenant's rate limit, by the limit "
+            "llm_rate_limited", "Requests refused by a tenant's rate limit, by the limit "
             "that refused them (requests, tokens, too_large: more tokens than a minute's worth).",
             tag_keys=("tenant", "limit"),
         )
         self._unchecked = Counter(
-            "llm_rate_limit_unchecked_total",
+            "llm_rate_limit_unchecked",
             "Requests admitted without a rate-limit check because Redis did not answer.",
         )
 

@@ -124,7 +124,7 @@ def _count_cancel() -> None:
             from ray.util.metrics import Counter
 
             _state["cancels"] = Counter(
-                "llm_grpc_proxy_cancels_total",
+                "llm_grpc_proxy_cancels",
                 description="gRPC streams closed while Serve's proxy wrote to them whose replica "
                             "call the proxy fix cancelled (app/grpc_api/proxy_fix.py)")
         except Exception:  # noqa: BLE001 - outside a Ray worker (unit tests)

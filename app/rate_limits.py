@@ -135,6 +135,7 @@ def _headers(limits: dict[str, int], reply: list[int]) -> dict[str, str]:
 class RateLimiter:
     def __init__(self, config: RateLimitsConfig, redis: RedisConfig, environ=os.environ):
         self._config = config
+        self._tracer = telemetry.tracer(__name__)
         self._client = _client(redis, environ)
         self._charge = self._client.register_script(_CHARGE)
         self._refund = self._client.register_script(_REFUND)
@@ -164,6 +165,14 @@ class RateLimiter:
         limits = self._limits(self._config.of(tenant))
         if not limits:
             return None
+        with self._tracer.start_as_current_span("ingress.rate_limit") as span:
+            span.set_attribute("llm.tenant", tenant)
+            span.set_attribute("llm.rate_limit.tokens", tokens)
+            grant = await self._acquire(tenant, tokens, limits, span)
+            span.set_attribute("llm.rate_limit.result", "admitted" if grant is not None else "unchecked")
+            return grant
+
+    async def _acquire(self, tenant: str, tokens: int, limits: dict[str, int], span) -> Optional[Grant]:
         costs = {"requests": 1, "tokens": tokens}
         args: list = [PERIOD_MS]
         for dimension, limit in limits.items():
@@ -179,8 +188,11 @@ class RateLimiter:
                                "until it does (llm_rate_limit_unchecked_total counts them)", e)
             return None
         headers = _headers(limits, reply)
+        for dimension in limits:
+            span.set_attribute(f"llm.rate_limit.remaining_{dimension}", int(headers[f"x-ratelimit-remaining-{dimension}"]))
         if reply[0] == 1:
             return Grant(tenant, tokens if "tokens" in limits else 0, headers)
+        span.set_attribute("llm.rate_limit.result", "refused")
         raise self._refusal(tenant, limits, costs, reply[1], headers)
 
     def _refusal(self, tenant, limits, costs, wait_ms: int, headers) -> RateLimitError:

@@ -145,6 +145,31 @@ async def test_a_redis_that_refuses_writes_lets_requests_pass(redis_server, fres
     await rl.close()
 
 
+async def test_each_check_is_a_span_with_its_outcome(redis_server, fresh):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from app import telemetry
+    from app.config import TelemetryConfig
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        telemetry.setup(TelemetryConfig(), "test")
+    exporter = InMemorySpanExporter()
+    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))
+    rl = limiter(redis_server, requests_per_minute=1, tokens_per_minute=50)
+    await rl.acquire("acme", 20)
+    with pytest.raises(RateLimitError):
+        await rl.acquire("acme", 20)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "ingress.rate_limit"]
+    assert [s.attributes["llm.rate_limit.result"] for s in spans] == ["admitted", "refused"]
+    assert spans[0].attributes["llm.tenant"] == "acme" and spans[0].attributes["llm.rate_limit.tokens"] == 20
+    assert spans[0].attributes["llm.rate_limit.remaining_tokens"] == 30
+    assert spans[1].attributes["llm.rate_limit.remaining_requests"] == 0
+    await rl.close()
+
+
 def test_waits_are_written_as_openai_writes_them():
     assert [duration(ms) for ms in (0, 120, 1000, 1500, 59_000, 60_000, 360_000, 61_500)] == [
         "0ms", "120ms", "1s", "1.5s", "59s", "1m0s", "6m0s", "1m2s",

@@ -47,6 +47,9 @@ GRPC_STATUS = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
+# The REST route of each generation endpoint (``Ingress._serve``'s endpoint names).
+GENERATION_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
 # Metadata that travels as the HTTP request's headers (gRPC metadata keys are lower case).
 FORWARDED_METADATA = ("authorization", "x-session-id")
 
@@ -256,8 +259,7 @@ class GrpcIngress:
                 body["stream"] = True
                 # The last chunk carries usage unless the client said otherwise.
                 body.setdefault("stream_options", {"include_usage": True})
-                path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-                response = await self._serve(endpoint, http_request("POST", path, context, body), schema)
+                response = await self._generate(endpoint, context, body, schema)
                 if not isinstance(response, StreamingResponse):
                     # Refused before the first token: the REST route's status and error.
                     yield fail(response.status_code, _error_of(response), response.headers)
@@ -289,14 +291,18 @@ class GrpcIngress:
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
                 self._grpc_count(method, code, started)
 
+    def _generate(self, endpoint: str, context, body: dict, schema):
+        """The REST route's answer to ``body`` on generation ``endpoint``."""
+        request = http_request("POST", GENERATION_PATHS[endpoint], context, body)
+        return self._serve(endpoint, request, schema)
+
     # ---- the RPCs (names as in llm.proto) ----------------------------------------------
 
     async def ChatCompletion(self, request: pb.ChatCompletionRequest, grpc_context=None) -> pb.ChatCompletionResponse:
         from app.schemas import ChatCompletionRequest
 
-        async def call():
-            body = {**message_body(request), "stream": False}
-            return await self._serve("chat", http_request("POST", "/v1/chat/completions", grpc_context, body), ChatCompletionRequest)
+        def call():
+            return self._generate("chat", grpc_context, {**message_body(request), "stream": False}, ChatCompletionRequest)
 
         return await self._grpc_unary("ChatCompletion", grpc_context, call, pb.ChatCompletionResponse)
 
@@ -311,9 +317,9 @@ class GrpcIngress:
     async def Completion(self, request: pb.CompletionRequest, grpc_context=None) -> pb.CompletionResponse:
         from app.schemas import CompletionRequest
 
-        async def call():
-            body = {**_completion_body(request), "stream": False}
-            return await self._serve("completions", http_request("POST", "/v1/completions", grpc_context, body), CompletionRequest)
+        def call():
+            return self._generate("completions", grpc_context, {**_completion_body(request), "stream": False},
+                                  CompletionRequest)
 
         return await self._grpc_unary("Completion", grpc_context, call, pb.CompletionResponse)
 

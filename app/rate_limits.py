@@ -122,10 +122,15 @@ class Grant:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def _headers(limits: dict[str, int], reply: list[int]) -> dict[str, str]:
+def _remaining(limits: dict[str, int], reply: list[int]) -> dict[str, tuple[int, int]]:
+    """``{dimension: (remaining, reset ms)}`` of the charge script's reply."""
+    return {d: (reply[2 + 2 * i], reply[3 + 2 * i]) for i, d in enumerate(limits)}
+
+
+def _headers(limits: dict[str, int], left: dict[str, tuple[int, int]]) -> dict[str, str]:
     headers = {}
-    for i, (dimension, limit) in enumerate(limits.items()):
-        remaining, reset_ms = reply[2 + 2 * i], reply[3 + 2 * i]
+    for dimension, limit in limits.items():
+        remaining, reset_ms = left[dimension]
         headers[f"x-ratelimit-limit-{dimension}"] = str(limit)
         headers[f"x-ratelimit-remaining-{dimension}"] = str(remaining)
         headers[f"x-ratelimit-reset-{dimension}"] = duration(reset_ms)
@@ -187,18 +192,19 @@ class RateLimiter:
                 logger.warning("rate limits unchecked: Redis did not answer (%s); requests pass "
                                "until it does (llm_rate_limit_unchecked_total counts them)", e)
             return None
-        headers = _headers(limits, reply)
-        for dimension in limits:
-            span.set_attribute(f"llm.rate_limit.remaining_{dimension}", int(headers[f"x-ratelimit-remaining-{dimension}"]))
+        left = _remaining(limits, reply)
+        headers = _headers(limits, left)
+        for dimension, (remaining, _) in left.items():
+            span.set_attribute(f"llm.rate_limit.remaining_{dimension}", remaining)
         if reply[0] == 1:
             return Grant(tenant, tokens if "tokens" in limits else 0, headers)
         span.set_attribute("llm.rate_limit.result", "refused")
-        raise self._refusal(tenant, limits, costs, reply[1], headers)
+        raise self._refusal(tenant, limits, costs, reply[1], left, headers)
 
-    def _refusal(self, tenant, limits, costs, wait_ms: int, headers) -> RateLimitError:
+    def _refusal(self, tenant, limits, costs, wait_ms: int, left, headers) -> RateLimitError:
         # Which limit refused: the first with too little left for its cost.
         dimension = "too_large" if wait_ms < 0 else next(
-            (d for d in limits if int(headers[f"x-ratelimit-remaining-{d}"]) < costs[d]), "requests")
+            (d for d in limits if left[d][0] < costs[d]), "requests")
         self._limited.inc(tags={"tenant": tenant, "limit": dimension})
         self._refusals += 1
         if self._refusal_log.due():  # a flood of refusals is one line per interval

@@ -393,17 +393,27 @@ def test_delete_drops_the_sessions_blocks_from_the_workers_l1_too(served_app, re
         before = worker.kv_stats.remote().result(timeout_s=30)
         out = client.completions.create(model=served_app.model_id, prompt=prompt, temperature=0, max_tokens=4)
         after = worker.kv_stats.remote().result(timeout_s=30)
-        return out.choices[0].text, {k: after[k] - before[k] for k in ("l1_hit_tokens", "prefix_hit_tokens", "l1_dropped_blocks")}
+        counters = ("l1_hit_tokens", "prefix_hit_tokens", "l1_dropped_blocks", "fetch_skipped")
+        return out.choices[0].text, {k: after[k] - before[k] for k in counters}
 
-    first, reused = ask()
-    assert full_blocks >= 3 and reused["l1_hit_tokens"] == full_blocks * 16, reused
+    # L1 holds the blocks; the engine imports them unless it measured importing them
+    # slower than prefilling them (a noisy machine can), and then it imports anyway
+    # after _EXPLORE_EVERY_SKIPS (4) skips in a row, to measure again.
+    assert full_blocks >= 3
+    for _ in range(5):
+        first, reused = ask()
+        if reused["l1_hit_tokens"]:
+            break
+        assert reused["fetch_skipped"] == 1 and reused["prefix_hit_tokens"] == 0, reused
+    assert reused["l1_hit_tokens"] == full_blocks * 16, reused
     dropped_before = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"]
     assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
     # The turn's blocks (its prompt's and its reply's whole blocks) left L1 with the delete.
     dropped = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"] - dropped_before
     assert dropped >= full_blocks, dropped
     again, reused = ask()
-    assert reused["prefix_hit_tokens"] == 0 and reused["l1_hit_tokens"] == 0, reused
+    # Nothing to reuse, rather than a reuse skipped: no tier held a block to decide on.
+    assert reused["prefix_hit_tokens"] == 0 and reused["l1_hit_tokens"] == 0 and reused["fetch_skipped"] == 0, reused
     assert again == first
 
 

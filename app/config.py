@@ -71,6 +71,16 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="Weight and activation dtype of the torch engine."
     )
+    tool_call_parser: Optional[str] = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Serve tool_choice 'auto' (the default when a chat request sends tools): "
+        "the model decides whether to call a tool, in its own format, and this parser of "
+        "vLLM's reads the calls out of its reply, as `vllm serve --enable-auto-tool-choice "
+        "--tool-call-parser NAME` (`hermes` for Qwen 2.5/3, `llama3_json` for Llama 3.1/3.3, "
+        "`mistral`, `pythonic`, ...). Needs vLLM installed (either engine); an unknown name "
+        "fails the ingress's start, naming the known ones. Unset: 'auto' is a 400.",
+    )
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser().resolve()

@@ -46,6 +46,7 @@ from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.tool_calls import Parsed, ToolCallParser
 from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
@@ -229,9 +230,17 @@ class _Metrics:
             "llm_request_features",
             "Requests taken for generation that asked for more than plain text, by feature: "
             "logprobs, structured_output (response_format or structured_outputs), tool_call "
-            "(tool_choice named or required), sampling_controls (penalties, logit_bias, "
+            "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
+            "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
             "top_k, min_p, min_tokens, stop_token_ids).",
             tag_keys=("endpoint", "feature"),
+        )
+        self.tool_parses = metrics.Counter(
+            "llm_tool_call_parses",
+            "Replies to tool_choice auto read by the tool-call parser (model.tool_call_parser), "
+            "by outcome: called (the reply called a tool), text (it did not), failed (the "
+            "parser raised; the reply went out as text).",
+            tag_keys=("parser", "outcome"),
         )
         self.session_cache = metrics.Counter(
             "llm_session_turns",
@@ -297,6 +306,8 @@ def request_features(req, sampling) -> list[str]:
     tool_call = isinstance(req, ChatCompletionRequest) and req.tool_call_mode() is not None
     if tool_call:
         features.append("tool_call")
+    elif isinstance(req, ChatCompletionRequest) and req.parser_request is not None:
+        features.append("tool_call_auto")
     elif sampling.structured_output is not None:
         features.append("structured_output")
     if (
@@ -402,6 +413,12 @@ class Ingress:
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
         self._token_text = functools.lru_cache(maxsize=1 << 17)(lambda i: self._tokenizer.decode([i]))
+        parser = self._config.model.tool_call_parser
+        # vLLM's tool-call parser for tool_choice "auto" (an unknown name fails the start here).
+        self._tool_parser = ToolCallParser(parser, self._tokenizer) if parser else None
+        self._tool_log = telemetry.Every(60.0)  # a parser failing on every reply: a line a minute
+        if parser:
+            logger.info("tool_choice auto is read by vLLM's %r tool-call parser", parser)
         self._max_model_len = self._config.model.checkpoint_max_len()
         self._created = now()
         self._m = _Metrics()
@@ -513,9 +530,16 @@ class Ingress:
             msg = first["msg"].removeprefix("Value error, ")
             where = f"'{param}'" if param else "request"
             raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
-        problem = req.tool_problem() if isinstance(req, ChatCompletionRequest) else None
+        chat = isinstance(req, ChatCompletionRequest)
+        problem = req.tool_problem(auto_parser=self._tool_parser is not None) if chat else None
         if problem is not None:
             raise InvalidRequestError(problem, param="tool_choice")
+        if chat and self._tool_parser is not None and req.auto_tool_choice():
+            try:
+                req.parser_request = self._tool_parser.request(req.tools, req.parallel_tool_calls)
+            except ValidationError as e:  # tools ours took and vLLM's request model did not
+                first = e.errors()[0]
+                raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
         unsupported = req.unsupported_field()
         if unsupported is not None:
             name, accepted = unsupported
@@ -580,10 +604,38 @@ class Ingress:
                 stop=list(req.stop),
                 ignore_eos=req.ignore_eos,
                 **req.sampling_extras(),
+                **self._parser_sampling(req),
             ),
             trace_headers=telemetry.inject_context(),
             tenant=tenant,
         )
+
+    @staticmethod
+    def _parser_sampling(req) -> dict:
+        """What the tool-call parser changes in how the reply is made: its format's special
+        tokens kept in the text (``hermes``'s ``<tool_call>``, for one)."""
+        parsed = getattr(req, "parser_request", None)
+        if parsed is not None and not ToolCallParser.skip_special_tokens(parsed):
+            return {"skip_special_tokens": False}
+        return {}
+
+    def _parse_tools(self, req, text: str) -> Optional[Parsed]:
+        """A whole auto reply read by the tool-call parser; None when the parser failed
+        (the reply goes out as text)."""
+        try:
+            parsed = self._tool_parser.parse(text, req.parser_request)
+        except Exception:  # noqa: BLE001 - a parser's failure must not fail the request
+            self._tool_parse_failed()
+            return None
+        self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "called" if parsed.tool_calls else "text"})
+        return parsed
+
+    def _tool_parse_failed(self) -> None:
+        self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "failed"})
+        if self._tool_log.due():
+            logger.warning("the %r tool-call parser failed on a reply; it goes out as text "
+                           "(llm_tool_call_parses_total{outcome=\"failed\"} counts each)",
+                           self._tool_parser.name, exc_info=True)
 
     def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         if not self._tokenizer.chat_template:
@@ -1097,6 +1149,11 @@ class Ingress:
                     message = {"role": "assistant", "content": content}
                     if tool_calls:
                         message["tool_calls"] = tool_calls
+                elif req.parser_request is not None and (parsed := self._parse_tools(req, text)) is not None:
+                    if parsed.tool_calls:
+                        # vLLM's finish reason for a reply that called a tool under "auto".
+                        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                        finish = "tool_calls"
                 choices.append(
                     {
                         "index": i,
@@ -1162,6 +1219,39 @@ class Ingress:
         tool_mode = req.tool_call_mode() if chat else None
         texts: list[list[str]] = [[] for _ in calls]
         opened = [False] * len(calls)
+        # "auto" read by the tool-call parser as the reply comes, one parser per choice;
+        # None once a parser failed (the rest of that reply goes out as text).
+        auto: list = [self._tool_parser.stream(req.parser_request) for _ in calls] if (
+            chat and not tool_mode and req.parser_request is not None) else []
+        sent = [""] * len(auto)  # per choice: the content sent so far
+
+        def auto_chunks(index: int, delta: TokenDelta) -> list[bytes]:
+            text, finish, parser = delta.text, delta.finish_reason, auto[index]
+            out, content, tool_calls = [], text, []
+            if parser is not None:
+                try:
+                    content, tool_calls = parser.feed(text, delta.token_ids) if text or delta.token_ids else ("", [])
+                    if finish:
+                        tool_calls += parser.finish()
+                except Exception:  # noqa: BLE001 - a parser's failure must not fail the request
+                    self._tool_parse_failed()
+                    auto[index], tool_calls = None, []
+                    # The rest of the reply goes out as text: from what the parser held
+                    # back, while it had sent all it passed as content; after a call it
+                    # began (the client's to drop), from this delta.
+                    held = parser.text
+                    content = held[len(sent[index]):] if (
+                        not parser.called and held.startswith(sent[index])) else text
+            if content or tool_calls:
+                sent[index] += content or ""
+                out.append(chunk(index, content or None, None, tool_calls=tool_calls or None))
+            if finish:
+                if parser is not None and auto[index] is not None:
+                    called = parser.called
+                    self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "called" if called else "text"})
+                    finish = "tool_calls" if called else finish
+                out.append(chunk(index, None, finish))
+            return out
 
         def chunks(index: int, delta: TokenDelta) -> list[bytes]:
             """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
@@ -1169,6 +1259,8 @@ class Ingress:
             if want_logprobs and delta.logprobs:
                 carried[index].extend(zip(delta.token_ids, delta.logprobs))
             text, finish = delta.text, delta.finish_reason
+            if auto:
+                return auto_chunks(index, delta)
             if not tool_mode:
                 return [chunk(index, text, finish)] if text or finish else []
             if tool_mode == "named":

@@ -13,9 +13,9 @@ import json
 import re
 import time
 import uuid
-from typing import ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from deployments.compute.engines.protocol import MAX_LOGPROBS
 
@@ -55,6 +55,8 @@ class _Request(BaseModel):
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     min_tokens: Optional[int] = Field(default=None, ge=0)
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
+    # False: special tokens' text stays in the reply (vLLM's default is True as well).
+    skip_special_tokens: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -146,6 +148,7 @@ class _Request(BaseModel):
             "stop_token_ids": list(self.stop_token_ids or ()),
             "logprobs": self.requested_logprobs(),
             "structured_output": self.structured_output(),
+            "skip_special_tokens": self.skip_special_tokens,
         }
 
     @field_validator("stop", mode="before")
@@ -291,7 +294,8 @@ class ChatCompletionRequest(_Request):
     # Function calling. The reply is held to the arguments' JSON schema (a named
     # function) or to vLLM's schema of a list of calls ("required"), the way vLLM serves
     # those two without a model-specific parser; "auto" needs such a parser (the model
-    # decides whether to call, in its own format), which this server does not have.
+    # decides whether to call, in its own format): model.tool_call_parser, one of vLLM's
+    # (app/tool_calls.py).
     tools: Optional[list[dict]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -329,17 +333,21 @@ class ChatCompletionRequest(_Request):
             "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
         )
 
-    def tool_problem(self) -> Optional[str]:
-        """Why this request's tool_choice cannot be served (a 400 naming tool_choice)."""
+    def tool_problem(self, auto_parser: bool = False) -> Optional[str]:
+        """Why this request's tool_choice cannot be served (a 400 naming tool_choice);
+        ``auto_parser``: the server has a tool-call parser for "auto"."""
         choice, tools = self.tool_choice, self.tools
         named = choice if isinstance(choice, dict) else None
         if not tools:
             return None if choice in (None, "none", "auto") else "tool_choice needs tools"
         if choice in (None, "auto"):
-            return (
+            # The reply is free text (a grammar of the request's own, if any) that the
+            # parser reads, as vLLM serves "auto".
+            return None if auto_parser else (
                 "tool_choice 'auto' (the default with tools) needs a tool-call parser for this "
-                "model, which this server does not have; send 'required', name a function "
-                "({'type': 'function', 'function': {'name': ...}}) or 'none'"
+                "model, which this server is not configured with (model.tool_call_parser); "
+                "send 'required', name a function ({'type': 'function', 'function': {'name': ...}}) "
+                "or 'none'"
             )
         if named and named["function"]["name"] not in {t["function"]["name"] for t in tools}:
             return f"tool_choice names {named['function']['name']!r}, which is not among the tools"
@@ -353,6 +361,22 @@ class ChatCompletionRequest(_Request):
         if choice != "none" and (self.structured_outputs or (self.response_format or {}).get("type", "text") != "text"):
             return "a tool_choice that calls a tool cannot be combined with response_format or structured_outputs"
         return None
+
+    # vLLM's form of this request for its tool-call parser (app/tool_calls.py), set by
+    # the ingress when it serves this request's "auto" with one; None otherwise.
+    _parser_request: Any = PrivateAttr(default=None)
+
+    @property
+    def parser_request(self) -> Any:
+        return self._parser_request
+
+    @parser_request.setter
+    def parser_request(self, value: Any) -> None:
+        self._parser_request = value
+
+    def auto_tool_choice(self) -> bool:
+        """The model decides whether its reply calls a tool ("auto", the default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def tool_call_mode(self) -> Optional[str]:
         """"named" or "required" when the reply is a tool call, else None."""

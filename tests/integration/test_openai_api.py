@@ -228,6 +228,15 @@ def test_penalties_bias_top_k_min_p_and_min_tokens_mean_what_vllm_means(served_a
     )
     assert held.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens == 5 and held.choices[0].text
+    # skip_special_tokens off (vLLM's parameter; a tool-call parser's format may need it):
+    # a special token's text stays in the reply, where it is left out by default; the
+    # token that ends the reply stays out either way.
+    header = tok.convert_tokens_to_ids("<|start_header_id|>")
+    assert complete(logit_bias={str(header): 100}).text == ""
+    kept = complete(logit_bias={str(header): 100}, extra={"skip_special_tokens": False})
+    assert kept.text == "<|start_header_id|>" * steps
+    ended = complete(**{**eos, "extra": {"ignore_eos": False, "skip_special_tokens": False}})
+    assert ended.finish_reason == "stop" and ended.text == ""
     # stop_token_ids: the reply ends at the first of them, counted but not in the text.
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

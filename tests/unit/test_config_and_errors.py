@@ -167,11 +167,13 @@ def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                      "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
-                     "structured_output": None, "stop_token_ids": []}
+                     "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
-                                              "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3})
+                                              "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3,
+                                              "skip_special_tokens": False})
     extras = r.sampling_extras()
     assert extras["top_k"] == 0 and extras["logit_bias"] == {7: -100.0, 12: 5.5}
+    assert extras["skip_special_tokens"] is False
     assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3
     assert CompletionRequest.model_validate({**COMPLETION_REQ, "logprobs": 0}).sampling_extras()["logprobs"] == 0
 
@@ -239,6 +241,25 @@ NOOP = {"type": "function", "function": {"name": "noop"}}
 def test_a_tool_choice_this_server_cannot_serve_is_explained(fields, problem):
     found = ChatCompletionRequest.model_validate({**CHAT_REQ, **fields}).tool_problem()
     assert (problem is None and found is None) or (problem in found)
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"tools": [WEATHER]}, None),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, None),
+        # "auto" leaves the reply free: a grammar of the request's own holds it, as in vLLM.
+        ({"tools": [WEATHER], "tool_choice": "auto", "structured_outputs": {"regex": "a+"}}, None),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+        ({"tool_choice": "required"}, "needs tools"),
+    ],
+)
+def test_with_a_tool_call_parser_auto_is_served(fields, problem):
+    req = ChatCompletionRequest.model_validate({**CHAT_REQ, **fields})
+    found = req.tool_problem(auto_parser=True)
+    assert (problem is None and found is None) or (problem in found)
+    assert req.auto_tool_choice() == (fields.get("tool_choice", "auto") == "auto" and "tools" in fields)
+    assert req.tool_call_mode() is None or not req.auto_tool_choice()
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,9 @@ class SamplingParams:
     # Hold the reply to a grammar (engines/structured.py): ("json", schema text),
     # ("json_object", None), ("regex", pattern) or ("choice", [strings]).
     structured_output: Optional[tuple[str, Any]] = None
+    # False: special tokens' text stays in the reply (a tool-call parser whose format is
+    # made of them needs it); the token that ends the reply stays out either way.
+    skip_special_tokens: bool = True
 
 
 @dataclass(slots=True)

@@ -521,6 +521,10 @@ class TorchEngine(Engine):
     def _decode(self, token_ids: list[int]) -> str:
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def _decode_all(self, token_ids: list[int]) -> str:
+        """The text of special tokens too (SamplingParams.skip_special_tokens off)."""
+        return self._loop_tokenizer.decode(token_ids, skip_special_tokens=False)
+
     async def _constraint(self, params) -> Constraint:
         """The compiled grammar of a request's structured output (RequestRejected: 400)."""
         kind, spec = params.structured_output
@@ -555,7 +559,9 @@ class TorchEngine(Engine):
         req = _Request(
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
             request=request,
-            detokenizer=IncrementalDetokenizer(self._decode, params.stop, params.min_tokens),
+            detokenizer=IncrementalDetokenizer(
+                self._decode if params.skip_special_tokens else self._decode_all, params.stop, params.min_tokens
+            ),
             generator=make_generator(params.seed) if params.temperature > 0 else None,
             loop=asyncio.get_running_loop(),
             results=asyncio.Queue(),

@@ -210,7 +210,7 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         "top_p": float(params.top_p) if params.temperature > 0 else 1.0,
         "seed": vllm_seed(params.seed),
         "ignore_eos": params.ignore_eos,
-        "skip_special_tokens": True,
+        "skip_special_tokens": params.skip_special_tokens,
         # Stop strings never reach the client, as with the torch engine.
         "include_stop_str_in_output": False,
     }
@@ -521,7 +521,7 @@ class VLLMEngine(Engine):
             active_ids=self._active_ids,
         )
 
-    def _flush_tail(self, token_ids: list[int], streamed: str) -> str:
+    def _flush_tail(self, token_ids: list[int], streamed: str, skip_special_tokens: bool = True) -> str:
         """Text vLLM's incremental detokenizer still holds back when a request ends.
 
         It withholds the bytes of an incomplete UTF-8 character (a byte-level BPE model can
@@ -530,10 +530,10 @@ class VLLMEngine(Engine):
         decodes to U+FFFD) is the whole output decoded, to keep both engines' text equal.
         Not for a stop-string finish: that text is cut on purpose.
         """
-        tail = self.tokenizer.decode(token_ids[-4:], skip_special_tokens=True)
+        tail = self.tokenizer.decode(token_ids[-4:], skip_special_tokens=skip_special_tokens)
         if not tail.endswith("\ufffd"):
             return ""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         if len(full) > len(streamed) and full.startswith(streamed):
             return full[len(streamed) :]
         return ""
@@ -587,7 +587,7 @@ class VLLMEngine(Engine):
                 if reason is not None and not isinstance(stop_reason, str):
                     # A stop token id (an int reason) stays out of the text, as vLLM leaves it.
                     ended = all_token_ids[:-1] if isinstance(stop_reason, int) else all_token_ids
-                    text += self._flush_tail(ended, streamed + text)
+                    text += self._flush_tail(ended, streamed + text, request.sampling.skip_special_tokens)
                 streamed += text
                 k = request.sampling.logprobs
                 yield TokenDelta(

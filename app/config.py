@@ -81,6 +81,15 @@ class ModelConfig(_Strict):
         "`mistral`, `pythonic`, ...). Needs vLLM installed (either engine); an unknown name "
         "fails the ingress's start, naming the known ones. Unset: 'auto' is a 400.",
     )
+    reasoning_parser: Optional[str] = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Split a reasoning model's reasoning from its answer: this parser of "
+        "vLLM's (`qwen3`, `deepseek_r1`, `granite`, ...; `vllm serve --reasoning-parser NAME`) "
+        "reads it out of each chat reply into `reasoning`, and tool calls (with "
+        "tool_call_parser) from what follows. Not under a request's own structured output "
+        "(the engines hold the whole reply to the grammar). Needs vLLM installed.",
+    )
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser().resolve()

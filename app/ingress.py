@@ -46,7 +46,7 @@ from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
-from app.tool_calls import Parsed, ToolCallParser
+from app.reply_parser import Parsed, ReplyParser
 from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
@@ -235,12 +235,13 @@ class _Metrics:
             "top_k, min_p, min_tokens, stop_token_ids).",
             tag_keys=("endpoint", "feature"),
         )
-        self.tool_parses = metrics.Counter(
-            "llm_tool_call_parses",
-            "Replies to tool_choice auto read by the tool-call parser (model.tool_call_parser), "
-            "by outcome: called (the reply called a tool), text (it did not), failed (the "
-            "parser raised; the reply went out as text).",
-            tag_keys=("parser", "outcome"),
+        self.reply_parses = metrics.Counter(
+            "llm_reply_parses",
+            "Chat replies read by vLLM's parsers (model.tool_call_parser under tool_choice "
+            "auto, model.reasoning_parser), by outcome: tool_calls (the reply called a tool), "
+            "reasoning (it reasoned and called none), text (neither), failed (a parser raised; "
+            "the reply went out as text).",
+            tag_keys=("outcome",),
         )
         self.session_cache = metrics.Counter(
             "llm_session_turns",
@@ -306,7 +307,7 @@ def request_features(req, sampling) -> list[str]:
     tool_call = isinstance(req, ChatCompletionRequest) and req.tool_call_mode() is not None
     if tool_call:
         features.append("tool_call")
-    elif isinstance(req, ChatCompletionRequest) and req.parser_request is not None:
+    elif isinstance(req, ChatCompletionRequest) and req.reply_parsing is not None and req.reply_parsing.tools:
         features.append("tool_call_auto")
     elif sampling.structured_output is not None:
         features.append("structured_output")
@@ -413,12 +414,13 @@ class Ingress:
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
         self._token_text = functools.lru_cache(maxsize=1 << 17)(lambda i: self._tokenizer.decode([i]))
-        parser = self._config.model.tool_call_parser
-        # vLLM's tool-call parser for tool_choice "auto" (an unknown name fails the start here).
-        self._tool_parser = ToolCallParser(parser, self._tokenizer) if parser else None
-        self._tool_log = telemetry.Every(60.0)  # a parser failing on every reply: a line a minute
-        if parser:
-            logger.info("tool_choice auto is read by vLLM's %r tool-call parser", parser)
+        tools, reasoning = self._config.model.tool_call_parser, self._config.model.reasoning_parser
+        # vLLM's parsers of the reply: tool calls under "auto", reasoning (an unknown name
+        # fails the start here).
+        self._reply_parser = ReplyParser(self._tokenizer, tools, reasoning) if tools or reasoning else None
+        self._parse_log = telemetry.Every(60.0)  # a parser failing on every reply: a line a minute
+        if self._reply_parser is not None:
+            logger.info("replies read by vLLM's parsers: tool calls %r, reasoning %r", tools, reasoning)
         self._max_model_len = self._config.model.checkpoint_max_len()
         self._created = now()
         self._m = _Metrics()
@@ -531,12 +533,13 @@ class Ingress:
             where = f"'{param}'" if param else "request"
             raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
         chat = isinstance(req, ChatCompletionRequest)
-        problem = req.tool_problem(auto_parser=self._tool_parser is not None) if chat else None
+        parser = self._reply_parser
+        problem = req.tool_problem(auto_parser=parser is not None and parser.tool_parser is not None) if chat else None
         if problem is not None:
             raise InvalidRequestError(problem, param="tool_choice")
-        if chat and self._tool_parser is not None and req.auto_tool_choice():
+        if chat and parser is not None:
             try:
-                req.parser_request = self._tool_parser.request(req.tools, req.parallel_tool_calls)
+                req.reply_parsing = parser.for_request(req)
             except ValidationError as e:  # tools ours took and vLLM's request model did not
                 first = e.errors()[0]
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
@@ -603,39 +606,42 @@ class Ingress:
                 seed=req.seed,
                 stop=list(req.stop),
                 ignore_eos=req.ignore_eos,
-                **req.sampling_extras(),
-                **self._parser_sampling(req),
+                **{**req.sampling_extras(), **self._parser_sampling(req, prompt_ids)},
             ),
             trace_headers=telemetry.inject_context(),
             tenant=tenant,
         )
 
     @staticmethod
-    def _parser_sampling(req) -> dict:
-        """What the tool-call parser changes in how the reply is made: its format's special
-        tokens kept in the text (``hermes``'s ``<tool_call>``, for one)."""
-        parsed = getattr(req, "parser_request", None)
-        if parsed is not None and not ToolCallParser.skip_special_tokens(parsed):
-            return {"skip_special_tokens": False}
-        return {}
+    def _parser_sampling(req, prompt_ids: list[int]) -> dict:
+        """What the reply's parsers change in how it is made: their format's special tokens
+        kept in the text (``hermes``'s ``<tool_call>``, for one). Hands them the prompt."""
+        parsing = getattr(req, "reply_parsing", None)
+        if parsing is None:
+            return {}
+        parsing.prompt_ids = prompt_ids
+        return {} if parsing.skip_special_tokens else {"skip_special_tokens": False}
 
-    def _parse_tools(self, req, text: str) -> Optional[Parsed]:
-        """A whole auto reply read by the tool-call parser; None when the parser failed
-        (the reply goes out as text)."""
+    def _parse_reply(self, req, text: str) -> Optional[Parsed]:
+        """A whole reply read by its parsers; None when one failed (it goes out as text)."""
         try:
-            parsed = self._tool_parser.parse(text, req.parser_request)
+            parsed = req.reply_parsing.parse(text)
         except Exception:  # noqa: BLE001 - a parser's failure must not fail the request
-            self._tool_parse_failed()
+            self._reply_parse_failed()
             return None
-        self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "called" if parsed.tool_calls else "text"})
+        self._count_parse(bool(parsed.tool_calls), bool(parsed.reasoning))
         return parsed
 
-    def _tool_parse_failed(self) -> None:
-        self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "failed"})
-        if self._tool_log.due():
-            logger.warning("the %r tool-call parser failed on a reply; it goes out as text "
-                           "(llm_tool_call_parses_total{outcome=\"failed\"} counts each)",
-                           self._tool_parser.name, exc_info=True)
+    def _count_parse(self, called: bool, reasoned: bool) -> None:
+        outcome = "tool_calls" if called else "reasoning" if reasoned else "text"
+        self._m.reply_parses.inc(tags={"outcome": outcome})
+
+    def _reply_parse_failed(self) -> None:
+        self._m.reply_parses.inc(tags={"outcome": "failed"})
+        if self._parse_log.due():
+            logger.warning("a parser of vLLM's (tool calls %r, reasoning %r) failed on a reply; it goes out "
+                           "as text (llm_reply_parses_total{outcome=\"failed\"} counts each)",
+                           self._reply_parser.tool_parser, self._reply_parser.reasoning_parser, exc_info=True)
 
     def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         if not self._tokenizer.chat_template:
@@ -1149,10 +1155,13 @@ class Ingress:
                     message = {"role": "assistant", "content": content}
                     if tool_calls:
                         message["tool_calls"] = tool_calls
-                elif req.parser_request is not None and (parsed := self._parse_tools(req, text)) is not None:
+                elif req.reply_parsing is not None and (parsed := self._parse_reply(req, text)) is not None:
+                    message = {"role": "assistant", "content": parsed.content}
+                    if parsed.reasoning is not None:
+                        message["reasoning"] = parsed.reasoning
                     if parsed.tool_calls:
                         # vLLM's finish reason for a reply that called a tool under "auto".
-                        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                        message["tool_calls"] = parsed.tool_calls
                         finish = "tool_calls"
                 choices.append(
                     {
@@ -1193,7 +1202,8 @@ class Ingress:
         offsets = [0] * len(calls)
 
         def chunk(
-            index: int, text: Optional[str], finish: Optional[str], role: bool = False, tool_calls=None
+            index: int, text: Optional[str], finish: Optional[str], role: bool = False, tool_calls=None,
+            reasoning: Optional[str] = None,
         ) -> bytes:
             logprobs = None
             if want_logprobs and not role:
@@ -1203,6 +1213,8 @@ class Ingress:
                 delta = {"role": "assistant", "content": text or ""} if role else (
                     {"content": text} if text else {}
                 )
+                if reasoning:
+                    delta["reasoning"] = reasoning
                 if tool_calls:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tool_calls)]
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -1219,37 +1231,34 @@ class Ingress:
         tool_mode = req.tool_call_mode() if chat else None
         texts: list[list[str]] = [[] for _ in calls]
         opened = [False] * len(calls)
-        # "auto" read by the tool-call parser as the reply comes, one parser per choice;
-        # None once a parser failed (the rest of that reply goes out as text).
-        auto: list = [self._tool_parser.stream(req.parser_request) for _ in calls] if (
-            chat and not tool_mode and req.parser_request is not None) else []
-        sent = [""] * len(auto)  # per choice: the content sent so far
+        # Read by vLLM's parsers as the reply comes (tool calls under "auto", reasoning),
+        # one per choice; None once a parser failed (the rest of that reply goes out as text).
+        parsing = req.reply_parsing if chat and not tool_mode else None
+        parsed: list = [parsing.stream() for _ in calls] if parsing is not None else []
+        sent = [""] * len(parsed)  # per choice: the content sent so far
 
-        def auto_chunks(index: int, delta: TokenDelta) -> list[bytes]:
-            text, finish, parser = delta.text, delta.finish_reason, auto[index]
-            out, content, tool_calls = [], text, []
+        def parsed_chunks(index: int, delta: TokenDelta) -> list[bytes]:
+            text, finish, parser = delta.text, delta.finish_reason, parsed[index]
+            out, reasoning, content, tool_calls = [], "", text, []
             if parser is not None:
                 try:
-                    content, tool_calls = parser.feed(text, delta.token_ids) if text or delta.token_ids else ("", [])
-                    if finish:
-                        tool_calls += parser.finish()
+                    reasoning, content, tool_calls = parser.feed(text, delta.token_ids, finish is not None)
                 except Exception:  # noqa: BLE001 - a parser's failure must not fail the request
-                    self._tool_parse_failed()
-                    auto[index], tool_calls = None, []
+                    self._reply_parse_failed()
+                    parsed[index], reasoning, tool_calls = None, "", []
                     # The rest of the reply goes out as text: from what the parser held
-                    # back, while it had sent all it passed as content; after a call it
-                    # began (the client's to drop), from this delta.
+                    # back, while all it had passed on was content; after reasoning or a
+                    # call it began (the client's to drop), from this delta.
                     held = parser.text
                     content = held[len(sent[index]):] if (
-                        not parser.called and held.startswith(sent[index])) else text
-            if content or tool_calls:
-                sent[index] += content or ""
-                out.append(chunk(index, content or None, None, tool_calls=tool_calls or None))
+                        not (parser.called or parser.reasoned) and held.startswith(sent[index])) else text
+            if reasoning or content or tool_calls:
+                sent[index] += content
+                out.append(chunk(index, content or None, None, tool_calls=tool_calls or None, reasoning=reasoning))
             if finish:
-                if parser is not None and auto[index] is not None:
-                    called = parser.called
-                    self._m.tool_parses.inc(tags={"parser": self._tool_parser.name, "outcome": "called" if called else "text"})
-                    finish = "tool_calls" if called else finish
+                if parser is not None and parsed[index] is not None:
+                    self._count_parse(parser.called, parser.reasoned)
+                    finish = "tool_calls" if parser.called else finish
                 out.append(chunk(index, None, finish))
             return out
 
@@ -1259,8 +1268,8 @@ class Ingress:
             if want_logprobs and delta.logprobs:
                 carried[index].extend(zip(delta.token_ids, delta.logprobs))
             text, finish = delta.text, delta.finish_reason
-            if auto:
-                return auto_chunks(index, delta)
+            if parsed:
+                return parsed_chunks(index, delta)
             if not tool_mode:
                 return [chunk(index, text, finish)] if text or finish else []
             if tool_mode == "named":

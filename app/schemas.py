@@ -276,6 +276,9 @@ class ChatCompletionRequest(_Request):
     # Server-side context: the stored history goes in front of `messages` (also settable
     # with the X-Session-Id header).
     session_id: Optional[str] = Field(default=None, max_length=128)
+    # vLLM's: false leaves a reasoning model's reasoning out of the reply
+    # (model.reasoning_parser).
+    include_reasoning: bool = True
     # Each output token's log-probability in the reply, and that many alternatives.
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -295,7 +298,7 @@ class ChatCompletionRequest(_Request):
     # function) or to vLLM's schema of a list of calls ("required"), the way vLLM serves
     # those two without a model-specific parser; "auto" needs such a parser (the model
     # decides whether to call, in its own format): model.tool_call_parser, one of vLLM's
-    # (app/tool_calls.py).
+    # (app/reply_parser.py).
     tools: Optional[list[dict]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -362,17 +365,17 @@ class ChatCompletionRequest(_Request):
             return "a tool_choice that calls a tool cannot be combined with response_format or structured_outputs"
         return None
 
-    # vLLM's form of this request for its tool-call parser (app/tool_calls.py), set by
-    # the ingress when it serves this request's "auto" with one; None otherwise.
-    _parser_request: Any = PrivateAttr(default=None)
+    # How the reply is read by vLLM's parsers (app/reply_parser.py: tool calls under
+    # "auto", reasoning), set by the ingress when one applies; None otherwise.
+    _reply_parsing: Any = PrivateAttr(default=None)
 
     @property
-    def parser_request(self) -> Any:
-        return self._parser_request
+    def reply_parsing(self) -> Any:
+        return self._reply_parsing
 
-    @parser_request.setter
-    def parser_request(self, value: Any) -> None:
-        self._parser_request = value
+    @reply_parsing.setter
+    def reply_parsing(self, value: Any) -> None:
+        self._reply_parsing = value
 
     def auto_tool_choice(self) -> bool:
         """The model decides whether its reply calls a tool ("auto", the default with tools)."""

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls")
+    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     name: str
     tool_call_id: str
     tool_calls: _struct_pb2.ListValue
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ChatCompletionRequest(_message.Message):
     __slots__ = ("model", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "session_id", "max_completion_tokens", "extra")
@@ -142,14 +144,16 @@ class ChatCompletionResponse(_message.Message):
     def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
-    __slots__ = ("role", "content", "tool_calls")
+    __slots__ = ("role", "content", "tool_calls", "reasoning")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _struct_pb2.ListValue
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ChatChunkChoice(_message.Message):
     __slots__ = ("index", "delta", "finish_reason", "logprobs")

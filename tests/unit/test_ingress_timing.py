@@ -56,7 +56,7 @@ def _ingress() -> Ingress:
     ing._stopping = set()
     ing._sessions = None
     ing._limiter = None  # no rate limits
-    ing._tool_parser = None  # no tool-call parser
+    ing._reply_parser = None  # no parsers of the reply
     ing._keys = ApiKeys(env_var=None)  # none: every request is tenant "default"
     ing._router = _Router()
     ing._tracer = telemetry.tracer(__name__)

@@ -1,9 +1,11 @@
-"""tool_choice "auto" (the default when a chat request sends tools) through a real Serve
-application whose model.tool_call_parser is vLLM's ``pythonic``: the reply is free text
-that the parser reads, whole and streamed, over the openai client and a real socket. The
-tiny model has random weights, so the tests hold its reply to a regex (structured output,
-which "auto" leaves to the request, as vLLM does) of a call or of plain text. Each engine
-in turn; the app runs beside the shared one."""
+"""A chat reply read by vLLM's parsers in a real Serve application whose
+model.tool_call_parser is ``pythonic`` and model.reasoning_parser ``qwen3``, over the
+openai client and a real socket, whole and streamed: tool_choice "auto" (the default when
+a chat request sends tools), and reasoning. The tiny model has random weights, so the
+tool tests hold its reply to a regex (structured output, which "auto" leaves to the
+request, as vLLM does; reasoning is not split off a reply held to a grammar) of a call or
+of plain text; its free reply has no reasoning markers, which the qwen3 parser reads as
+reasoning that never ended. Each engine in turn; the app runs beside the shared one."""
 
 from __future__ import annotations
 
@@ -31,9 +33,19 @@ def tools_app(request, ray_cluster, redis_server, http_port):
     if engine == "vllm" and not vllm_importable():
         pytest.skip("vLLM is not installed here")
     args = app_args(get_model_path("tiny"), redis_server.url, engine=ENGINE_ARGS[engine])
-    args["model"] = {**args["model"], "tool_call_parser": "pythonic"}
+    args["model"] = {**args["model"], "tool_call_parser": "pythonic", "reasoning_parser": "qwen3"}
     with deployed_app(args, APP_NAME, ROUTE_PREFIX, http_port) as base_url:
         yield base_url
+
+
+def wait_counted(base_url: str, *outcomes: str) -> None:
+    """Until /metrics counts replies of each outcome (the nodes export every second)."""
+
+    def counted(text: str) -> bool:
+        lines = [line for line in text.splitlines() if line.startswith("ray_llm_reply_parses_total{")]
+        return all(any(f'outcome="{o}"' in line for line in lines) for o in outcomes)
+
+    wait_for(lambda: counted(httpx.get(base_url + "/metrics", timeout=60).text), 90, f"{outcomes} in /metrics")
 
 
 def ask(base_url, regex: str, **kw):
@@ -63,6 +75,7 @@ def test_auto_reads_the_models_calls_whole_and_streamed(tools_app):
     assert all(e["id"] for e in assembled.values())
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    wait_counted(tools_app, "tool_calls")
 
 
 def test_a_reply_that_calls_nothing_is_content(tools_app):
@@ -73,13 +86,45 @@ def test_a_reply_that_calls_nothing_is_content(tools_app):
     chunks = list(ask(tools_app, "It is sunny in Paris", stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "It is sunny in Paris"
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    wait_counted(tools_app, "text")
 
-    def counted(text: str) -> bool:
-        lines = [line for line in text.splitlines() if line.startswith("ray_llm_tool_call_parses_total{")]
-        return any('outcome="called"' in line and 'parser="pythonic"' in line for line in lines) and any(
-            'outcome="text"' in line for line in lines)
 
-    wait_for(lambda: counted(httpx.get(tools_app + "/metrics", timeout=60).text), 90, "the parses in /metrics")
+def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_port):
+    """The same greedy reply as /v1/completions gives for the chat prompt (no parser
+    there) comes back in ``reasoning``, whole and streamed, over REST and gRPC;
+    include_reasoning false leaves it out."""
+    import grpc
+
+    from app.grpc_api import llm_pb2 as pb
+    from app.grpc_api import llm_pb2_grpc
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(get_model_path("tiny")))
+    prompt = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
+    client = openai_client(tools_app)
+    kw = dict(model="tiny-llama", max_tokens=12, temperature=0)
+    raw = client.completions.create(prompt=prompt, **kw).choices[0].text
+    assert raw and "think>" not in raw
+    r = client.chat.completions.create(messages=MESSAGES, **kw)
+    message = r.choices[0].message
+    assert message.model_extra.get("reasoning") == raw and not message.content, message
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == raw
+    assert not "".join(d.content or "" for d in deltas)
+    request = pb.ChatCompletionRequest(model="tiny-llama", messages=[pb.ChatMessage(**m) for m in MESSAGES],
+                                       max_tokens=12, temperature=0)
+    metadata = (("application", APP_NAME),)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = llm_pb2_grpc.LLMStub(channel)
+        reply = stub.ChatCompletion(request, metadata=metadata, timeout=60)
+        assert reply.choices[0].message.reasoning == raw and not reply.choices[0].message.content
+        chunks = list(stub.ChatCompletionStream(request, metadata=metadata, timeout=60))
+        assert "".join(c.choices[0].delta.reasoning for c in chunks if c.choices) == raw
+    quiet = client.chat.completions.create(messages=MESSAGES, extra_body={"include_reasoning": False}, **kw)
+    assert "reasoning" not in (quiet.choices[0].message.model_extra or {}) and not quiet.choices[0].message.content
+    wait_counted(tools_app, "reasoning")
 
 
 def test_without_a_parser_auto_stays_a_400_that_names_the_setting(served_app):

@@ -1,13 +1,14 @@
-"""What tool_choice "auto" (``model.tool_call_parser``, app/tool_calls.py) adds to the
-ingress per streamed token: the SSE body of one chat choice (``Ingress._stream_body``,
-the code a request runs) over the same engine deltas, with vLLM's parser reading them and
-without (plain chat), alternated, in this process. Two replies of the tiny model's
-tokenizer, one token per delta: plain text (the parser finds no call) read by the
-pythonic and hermes parsers, and a call of ``--call-words`` words of arguments in each
-parser's format (vLLM's pythonic parser parses the whole text again at each delta, so its
-cost per token grows with the call's length).
+"""What vLLM's parsers of a reply (app/reply_parser.py: ``model.tool_call_parser`` under
+tool_choice "auto", ``model.reasoning_parser``) add to the ingress per streamed token: the
+SSE body of one chat choice (``Ingress._stream_body``, the code a request runs) over the
+same engine deltas, with the parsers reading them and without (plain chat), alternated,
+in this process. Replies of the tiny model's tokenizer, one token per delta: plain text
+(no call) read by the pythonic and hermes tool parsers and by the qwen3 reasoning parser,
+and a call of ``--call-words`` words of arguments in each tool parser's format (vLLM's
+pythonic parser parses the whole text again at each delta, so its cost per token grows
+with the call's length).
 
-    python -m loadtests.tool_parse_cost [--rounds 5] [--tokens 256] [--call-words 16]
+    python -m loadtests.reply_parse_cost [--rounds 5] [--tokens 256] [--call-words 16]
 
 Prints µs per token for each variant per round, and the median ratio auto / plain.
 """
@@ -25,7 +26,7 @@ from app.config import AppConfig
 from app.ingress import Ingress, _Call
 from app.schemas import ChatCompletionRequest
 from app.telemetry import Every
-from app.tool_calls import ToolCallParser
+from app.reply_parser import ReplyParser
 from deployments.compute.engines.protocol import TokenDelta
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -60,10 +61,10 @@ def _ingress(parser) -> Ingress:
     ing = Ingress.__new__(Ingress)
     ing._config = AppConfig()
     ing._stopping = set()
-    names = ("requests", "ttft", "tpot", "e2e", "prompt_tokens", "output_tokens", "tool_parses")
+    names = ("requests", "ttft", "tpot", "e2e", "prompt_tokens", "output_tokens", "reply_parses")
     ing._m = SimpleNamespace(**{k: _NoMetric() for k in names})
-    ing._tool_parser = parser
-    ing._tool_log = Every(60.0)
+    ing._reply_parser = parser
+    ing._parse_log = Every(60.0)
     ing._sessions = None
     return ing
 
@@ -76,9 +77,10 @@ def _deltas(tokenizer, text: str, n: int) -> list[TokenDelta]:
 async def _body_seconds(ing, parser, deltas) -> float:
     req = ChatCompletionRequest.model_validate({
         "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream": True,
-        **({"tools": TOOLS} if parser else {})})
+        **({"tools": TOOLS} if parser and parser.tool_parser else {})})
     if parser:
-        req.parser_request = parser.request(req.tools, None)
+        req.reply_parsing = parser.for_request(req)
+        req.reply_parsing.prompt_ids = [1, 2, 3]
     call = _Call("chat", "r", 5)
     call.on_delta(deltas[0])
     started = time.perf_counter()
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     hermes_tok = AutoTokenizer.from_pretrained(args.model)
     hermes_tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    pythonic, hermes = ToolCallParser("pythonic", tok), ToolCallParser("hermes", hermes_tok)
+    pythonic, hermes = ReplyParser(tok, tool_parser="pythonic"), ReplyParser(hermes_tok, tool_parser="hermes")
+    qwen3 = ReplyParser(tok, reasoning_parser="qwen3")
     text = _deltas(tok, "The weather in Paris is mild today, with a light breeze from the west. ", args.tokens)
     words = " ".join(["Paris"] * args.call_words)
     calls = {
@@ -115,6 +118,7 @@ def main(argv=None) -> int:
         "plain text": (None, text),
         "pythonic, text": (pythonic, text),
         "hermes, text": (hermes, text),
+        "qwen3 reasoning, text": (qwen3, text),
         "plain, pythonic call's text": (None, pyc),
         "pythonic, a call": (pythonic, pyc),
         "plain, hermes call's text": (None, hc),
@@ -132,6 +136,7 @@ def main(argv=None) -> int:
         print(f"round {r + 1}: " + ", ".join(f"{k} {per_token[k][-1]:.1f}" for k in variants), flush=True)
     med = {k: statistics.median(v) for k, v in per_token.items()}
     ratio = {k: med[k] / med[p] for k, p in (("pythonic, text", "plain text"), ("hermes, text", "plain text"),
+                                              ("qwen3 reasoning, text", "plain text"),
                                               ("pythonic, a call", "plain, pythonic call's text"),
                                               ("hermes, a call", "plain, hermes call's text"))}
     print("median µs/token: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))

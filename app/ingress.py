@@ -45,8 +45,8 @@ from app.errors import (
 from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
-from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.reply_parser import Parsed, ReplyParser
+from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
@@ -643,7 +643,9 @@ class Ingress:
                            "as text (llm_reply_parses_total{outcome=\"failed\"} counts each)",
                            self._reply_parser.tool_parser, self._reply_parser.reasoning_parser, exc_info=True)
 
-    def _chat_prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    def _chat_prompt_ids(
+        self, messages: list[dict], tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None
+    ) -> list[int]:
         if not self._tokenizer.chat_template:
             # A base model's checkpoint: transformers has no default template to fall back on.
             raise InvalidRequestError(
@@ -655,7 +657,7 @@ class Ingress:
             if any(TOKEN_IDS_KEY in m for m in messages):
                 return exact_prompt_ids(self._tokenizer, messages)
             text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
         except jinja2.TemplateError as e:
             # The template's own refusal (its raise_exception: roles that do not alternate,
@@ -665,6 +667,10 @@ class Ingress:
                 f"The model's chat template rejects these messages: {str(e)[:500]}", param="messages"
             ) from None
         except Exception as e:  # noqa: BLE001 - the tool fields the template was given
+            if template_kwargs:
+                raise InvalidRequestError(f"The chat template cannot render these messages with "
+                                          f"chat_template_kwargs: {str(e)[:500]}",
+                                          param="chat_template_kwargs") from None
             if not tools and not any("tool_calls" in m for m in messages):
                 raise
             raise InvalidRequestError(f"The chat template cannot render these tools or tool calls: {e}",
@@ -733,11 +739,17 @@ class Ingress:
         if session_id is None:
             for message, fields in zip(new_messages, tool_fields):
                 message.update(fields)
-            return self._chat_prompt_ids(new_messages, req.tools), None, None
+            return self._chat_prompt_ids(new_messages, req.tools, req.chat_template_kwargs), None, None
         if req.tools or any(tool_fields):
             raise InvalidRequestError(
                 "Tools and tool calls are not supported in a session turn yet; send the "
                 "conversation without a session.", param="tools" if req.tools else "messages")
+        if req.chat_template_kwargs:
+            # A session's turns (stored reply ids, KV blocks) were made from the template
+            # rendered without them: variables that change it would break that prefix.
+            raise InvalidRequestError(
+                "chat_template_kwargs is not supported in a session turn yet; send the "
+                "conversation without a session.", param="chat_template_kwargs")
         if sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):

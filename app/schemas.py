@@ -271,6 +271,15 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# What the ingress passes to the chat template itself (transformers' apply_chat_template
+# arguments and the template variables it sets), which chat_template_kwargs cannot set.
+_TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+})
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     # Server-side context: the stored history goes in front of `messages` (also settable
@@ -279,6 +288,17 @@ class ChatCompletionRequest(_Request):
     # vLLM's: false leaves a reasoning model's reasoning out of the reply
     # (model.reasoning_parser).
     include_reasoning: bool = True
+    # vLLM's: variables for the model's chat template ({"enable_thinking": false} for
+    # Qwen3, say), which the reasoning parser reads too.
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(default=None, max_length=32)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        taken = sorted(set(value or ()) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the server passes it to the template itself")
+        return value or None
     # Each output token's log-probability in the reply, and that many alternatives.
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -429,6 +449,12 @@ class ChatCompletionRequest(_Request):
         "modalities": (_one_of(["text"]), '["text"]'),
         "audio": (_unset, "null"),
         "prediction": (_unset, "null"),
+        # vLLM's chat extensions that change the prompt or the reply's shape.
+        "add_generation_prompt": (_one_of(True), "true"),
+        "continue_final_message": (_false, "false"),
+        "echo": (_false, "false"),
+        "chat_template": (_unset, "null (the model's own template)"),
+        "documents": (_unset, "null"),
     }
 
 

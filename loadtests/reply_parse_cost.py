@@ -6,7 +6,9 @@ in this process. Replies of the tiny model's tokenizer, one token per delta: pla
 (no call) read by the pythonic and hermes tool parsers and by the qwen3 reasoning parser,
 and a call of ``--call-words`` words of arguments in each tool parser's format (vLLM's
 pythonic parser parses the whole text again at each delta, so its cost per token grows
-with the call's length).
+with the call's length). Also what each request pays before its first token: reading
+its parameters into vLLM's request form and building its parser (``for_request`` and
+the first ``stream()``), in ms.
 
     python -m loadtests.reply_parse_cost [--rounds 5] [--tokens 256] [--call-words 16]
 
@@ -141,6 +143,18 @@ def main(argv=None) -> int:
                                               ("hermes, a call", "plain, hermes call's text"))}
     print("median µs/token: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     print("auto / plain (median µs per token): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    setup = {}
+    for name, parser in (("pythonic", pythonic), ("hermes", hermes), ("qwen3", qwen3)):
+        req = ChatCompletionRequest.model_validate({
+            "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+            **({"tools": TOOLS} if parser.tool_parser else {})})
+        for _ in range(50):
+            parser.for_request(req).stream()
+        started, n = time.perf_counter(), 500
+        for _ in range(n):
+            parser.for_request(req).stream()
+        setup[name] = 1000 * (time.perf_counter() - started) / n
+    print("per request (for_request + its parser), ms: " + ", ".join(f"{k} {v:.3f}" for k, v in setup.items()))
     return 0
 
 

@@ -124,6 +124,11 @@ def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_p
         assert "".join(c.choices[0].delta.reasoning for c in chunks if c.choices) == raw
     quiet = client.chat.completions.create(messages=MESSAGES, extra_body={"include_reasoning": False}, **kw)
     assert "reasoning" not in (quiet.choices[0].message.model_extra or {}) and not quiet.choices[0].message.content
+    # Thinking off in the template (Qwen3's enable_thinking, which the parser reads too):
+    # the same reply is the answer.
+    off = client.chat.completions.create(messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                         **kw).choices[0].message
+    assert off.content == raw and not off.model_extra.get("reasoning")
     wait_counted(tools_app, "reasoning")
 
 

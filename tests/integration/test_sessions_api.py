@@ -66,13 +66,15 @@ def test_n_above_one_in_a_session_turn_is_400_and_appends_nothing(served_app):
     assert get_session(served_app, sid).json()["version"] == 0
 
 
-def test_tools_in_a_session_turn_are_400_and_append_nothing(served_app):
+def test_tools_or_template_kwargs_in_a_session_turn_are_400_and_append_nothing(served_app):
     sid = new_session(served_app)["id"]
     tool = {"type": "function", "function": {"name": "f"}}
     for extra, param in [
         ({"tools": [tool], "tool_choice": "required"}, "tools"),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+        # The session's turns were made from the template rendered without them.
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ]:
         body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "call it"}], **extra}
         r = httpx.post(served_app.base_url + "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=30)

@@ -62,3 +62,21 @@ def test_a_model_without_a_chat_template_says_so_for_chat(ingress):
         ingress._chat_prompt_ids([{"role": "user", "content": "hi"}])
     assert e.value.param == "messages" and "no chat template" in e.value.message
     assert "/v1/completions" in e.value.message
+
+
+def test_chat_template_kwargs_reach_the_template(ingress):
+    """vLLM's chat_template_kwargs: variables of the template (Qwen3's enable_thinking)."""
+    ingress._tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert ingress._tokenizer.decode(ingress._chat_prompt_ids(messages)) == "<|user|>hi<|assistant|>"
+    off = ingress._chat_prompt_ids(messages, template_kwargs={"enable_thinking": False})
+    assert ingress._tokenizer.decode(off) == "<|user|>hi<|assistant|><think></think>"
+    # A value the template cannot render is the request's: a 400 naming the field.
+    ingress._tokenizer.chat_template = "{{ messages[0]['content'] + depth }}"
+    with pytest.raises(InvalidRequestError) as e:
+        ingress._chat_prompt_ids(messages, template_kwargs={"depth": {"a": 1}})
+    assert e.value.status_code == 400 and e.value.param == "chat_template_kwargs"

@@ -100,6 +100,10 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
         (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
+        (CHAT_REQ, "continue_final_message", True),
+        (CHAT_REQ, "add_generation_prompt", False),
+        (CHAT_REQ, "echo", True),
+        (CHAT_REQ, "chat_template", "{{ messages }}"),
     ],
 )
 def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_named(base, field, value):
@@ -114,7 +118,8 @@ def test_a_field_that_would_change_the_answer_but_is_not_implemented_is_named(ba
     [
         (CHAT_REQ, {"logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0,
                     "logit_bias": {}, "tools": [], "tool_choice": "none",
-                    "top_k": -1, "repetition_penalty": 1.0, "min_p": 0, "metadata": {"a": "b"}, "store": False}),
+                    "top_k": -1, "repetition_penalty": 1.0, "min_p": 0, "metadata": {"a": "b"}, "store": False,
+                    "add_generation_prompt": True, "continue_final_message": False, "echo": False}),
         (COMPLETION_REQ, {"logprobs": None, "best_of": 1, "suffix": "", "logit_bias": None, "user": "u"}),
     ],
 )
@@ -241,6 +246,17 @@ NOOP = {"type": "function", "function": {"name": "noop"}}
 def test_a_tool_choice_this_server_cannot_serve_is_explained(fields, problem):
     found = ChatCompletionRequest.model_validate({**CHAT_REQ, **fields}).tool_problem()
     assert (problem is None and found is None) or (problem in found)
+
+
+def test_chat_template_kwargs_cannot_set_what_the_server_passes():
+    ok = ChatCompletionRequest.model_validate({**CHAT_REQ, "chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.chat_template_kwargs == {"enable_thinking": False}
+    for taken in ("tools", "add_generation_prompt", "messages", "chat_template"):
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate({**CHAT_REQ, "chat_template_kwargs": {taken: 1}})
+        assert e.value.errors()[0]["loc"][0] == "chat_template_kwargs" and taken in str(e.value)
+    with pytest.raises(ValidationError):  # a JSON object, strictly
+        ChatCompletionRequest.model_validate({**CHAT_REQ, "chat_template_kwargs": "enable_thinking=false"})
 
 
 @pytest.mark.parametrize(

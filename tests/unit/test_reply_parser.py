@@ -140,6 +140,10 @@ def test_reasoning_then_an_answer_or_a_call_whole_and_streamed(tokenizer):
     reasoning, content, calls, called = streamed(call, tokenizer, text)
     assert reasoning == "I should ask the tool." and not content and called
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+    # Thinking off in the template (Qwen3's enable_thinking): the parser reads no reasoning.
+    thinking_off = parser.for_request(chat(chat_template_kwargs={"enable_thinking": False}))
+    assert thinking_off.parse("It is sunny.").content == "It is sunny."
+    assert parser.for_request(chat()).parse("It is sunny.").reasoning == "It is sunny."  # on: all reasoning
     # include_reasoning false: the reasoning is left out, the answer stays.
     quiet = parser.for_request(chat(include_reasoning=False))
     assert quiet.parse("<think>x</think>It is sunny.").reasoning is None

@@ -23,11 +23,8 @@ grammar after the reasoning instead).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

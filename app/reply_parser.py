@@ -66,13 +66,15 @@ class ReplyParser:
                 if not (tools or reasoning):
                     continue
                 try:
+                    # With the tokenizer, vLLM builds the parser once to check it can read
+                    # it (validate_parser_tokenizer): a mismatch fails here, at start.
                     cls = ParserManager.get_parser(
                         tool_parser_name=tool_parser if tools else None,
                         reasoning_parser_name=reasoning_parser if reasoning else None,
                         enable_auto_tools=tools,
+                        model_name=getattr(tokenizer, "name_or_path", None),
                         tokenizer=tokenizer,
                     )
-                    cls(tokenizer, None)  # what the parser checks at construction fails here, at start
                 except Exception as e:  # noqa: BLE001 - vLLM's reason, as a config error
                     raise ValueError(f"{names} cannot read this model's tokenizer: {e}") from None
                 self._classes[(tools, reasoning)] = cls

@@ -619,6 +619,14 @@ class SessionConfig(_Strict):
         "saying how many tokens are over; `truncate_oldest` drops the oldest turns.",
     )
     max_messages: int = Field(default=10_000, ge=1, le=1_000_000)
+    response_ttl_s: int = Field(
+        default=86_400,
+        ge=1,
+        le=30 * 86_400,
+        description="How long a response stored by POST /v1/responses (store: true) can be "
+        "read and continued (previous_response_id), refreshed on use. Each one keeps its "
+        "whole conversation, a copy of its previous response's plus its own turn.",
+    )
     ingress_cache_tokens: int = Field(
         default=1_000_000,
         ge=0,

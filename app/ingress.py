@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import serve_context, telemetry
+from app import responses, serve_context, telemetry
 from app.auth import DEFAULT_TENANT, ApiKeys
 from app.config import AppConfig
 from app.errors import (
@@ -46,6 +47,7 @@ from app.grpc_api.service import GrpcIngress
 from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
 from app.reply_parser import Parsed, ReplyParser
+from app.responses import ResponsesRequest
 from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 from app.sessions import (
     TOKEN_IDS_KEY,
@@ -243,6 +245,13 @@ class _Metrics:
             "the reply went out as text).",
             tag_keys=("outcome",),
         )
+        self.responses = metrics.Counter(
+            "llm_responses_store_ops",
+            "Stored responses of POST /v1/responses (store: true) by op (store, read: a "
+            "previous_response_id or a GET, delete) and result (ok, not_found, failed: the "
+            "data plane's error reached the client).",
+            tag_keys=("op", "result"),
+        )
         self.session_cache = metrics.Counter(
             "llm_session_turns",
             "Session turns by where their history came from: hit (this ingress's record of "
@@ -250,6 +259,19 @@ class _Metrics:
             "built again), miss (waited for the store's read).",
             tag_keys=("result",),
         )
+
+
+@dataclasses.dataclass(slots=True)
+class _Responding:
+    """A Responses request on its way (app/responses.py): the request as sent, its id,
+    the stored conversation it continues and its own input as chat messages, and the
+    tenant's store (None: this response is not stored)."""
+
+    req: ResponsesRequest
+    response_id: str
+    history: list[dict]
+    new_messages: list[dict]
+    store: Optional[SessionClient]
 
 
 class _SessionMoved(Exception):
@@ -655,7 +677,7 @@ class Ingress:
             )
         try:
             if any(TOKEN_IDS_KEY in m for m in messages):
-                return exact_prompt_ids(self._tokenizer, messages)
+                return exact_prompt_ids(self._tokenizer, messages, tools, template_kwargs)
             text = self._tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
             )
@@ -739,6 +761,8 @@ class Ingress:
         if session_id is None:
             for message, fields in zip(new_messages, tool_fields):
                 message.update(fields)
+            if req.history:  # a Responses request's (app/responses.py)
+                new_messages = req.history + new_messages
             return self._chat_prompt_ids(new_messages, req.tools, req.chat_template_kwargs), None, None
         if req.tools or any(tool_fields):
             raise InvalidRequestError(
@@ -969,7 +993,7 @@ class Ingress:
     async def _serve(self, endpoint: str, request: Request, schema) -> Response:
         received = time.monotonic()
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
-            early_session = session_lookup = grant = None
+            early_session = session_lookup = grant = responding = None
             try:
                 tenant = self._authenticate(request, span)
                 sessions = self._sessions_of(tenant)
@@ -977,7 +1001,10 @@ class Ingress:
                 early_session = self._start_session_read(schema, request, sessions)
                 if early_session is not None:
                     session_lookup = self._start_session_lookup(sessions, request.headers.get("x-session-id"))
-                req = self._validate(schema, await self._read_json(request))
+                if schema is ResponsesRequest:
+                    req, responding = await self._responses_request(request, await self._read_json(request), sessions)
+                else:
+                    req = self._validate(schema, await self._read_json(request))
                 turn = check = None
                 places = self._router.max_tenant_places
                 if req.n > places:
@@ -1035,6 +1062,8 @@ class Ingress:
                 if grant is not None:  # it generated nothing
                     self._refund(grant, grant.tokens)
                 err = to_api_error(e)
+                if responding is not None:
+                    err.param = responses.responses_param(err.param)
                 span.set_attribute("http.status_code", err.status_code)
                 self._m.requests.inc(tags={"endpoint": endpoint, "status": str(err.status_code)})
                 return error_response(err)
@@ -1045,12 +1074,15 @@ class Ingress:
                     session_lookup.task.cancel()  # the router took it before the worker call, or never will
             limit_headers = {} if grant is None else grant.headers
             if req.stream:
+                body = self._stream_body(req, calls, firsts, streams) if responding is None else (
+                    self._responses_stream(responding, req, calls, firsts, streams))
                 return StreamingResponse(
-                    self._stream_body(req, calls, firsts, streams),
+                    body,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Request-Id": calls[0].request_id, **limit_headers},
                 )
-            response = await self._complete_body(req, calls, firsts, streams)
+            render = None if responding is None else functools.partial(self._responses_render, responding)
+            response = await self._complete_body(req, calls, firsts, streams, render)
             response.headers.update(limit_headers)
             return response
 
@@ -1102,6 +1134,8 @@ class Ingress:
         if turn is not None:
             call.output_ids = []
             call.prompt_ids = prompt_ids
+        elif getattr(req, "history", None) is not None:
+            call.output_ids = []  # a Responses reply, stored with its ids
         early = None
         if session_lookup is not None:
             if turn is not None and turn.expected_version == session_lookup.version:
@@ -1140,12 +1174,17 @@ class Ingress:
         await self._drain([stream])
         return "".join(parts)
 
-    async def _complete_body(self, req, calls: list[_Call], firsts, streams) -> Response:
+    async def _complete_body(self, req, calls: list[_Call], firsts, streams, render=None) -> Response:
+        """The whole reply. ``render``: turns the chat completion's body into another
+        API's (a Responses request's, which it also stores); its error is the request's."""
         try:
             texts = await self._each_choice(
                 [self._rest_of_choice(c, f, s) for c, f, s in zip(calls, firsts, streams)], streams
             )
             await self._commit_turn(calls[0], texts[0])
+            body = self._completion_json(req, calls, texts)
+            if render is not None:
+                body = await render(body, calls)
         except BaseException as e:
             for s in streams:  # (a failed choice has stopped them all already)
                 s.cancel()
@@ -1155,6 +1194,9 @@ class Ingress:
             self._record(calls, err.status_code)
             return error_response(err)
         self._record(calls, 200)
+        return JSONResponse(body, headers={"X-Request-Id": calls[0].request_id})
+
+    def _completion_json(self, req, calls: list[_Call], texts: list[str]) -> dict:
         chat = isinstance(req, ChatCompletionRequest)
         choices = []
         tool_mode = req.tool_call_mode() if chat else None
@@ -1186,7 +1228,7 @@ class Ingress:
             else:
                 logprobs = self._logprobs_json(chat, c.logprob_items)[0]
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-        body = {
+        return {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": now(),
@@ -1194,9 +1236,19 @@ class Ingress:
             "choices": choices,
             "usage": self._usage(calls),
         }
-        return JSONResponse(body, headers={"X-Request-Id": calls[0].request_id})
 
     async def _stream_body(self, req, calls: list[_Call], firsts, streams) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(self._stream_payloads(req, calls, firsts, streams)) as payloads:
+            async for payload in payloads:
+                yield SSE_DONE if payload is None else _sse(payload)
+
+    async def _stream_payloads(
+        self, req, calls: list[_Call], firsts, streams, on_end=None
+    ) -> AsyncIterator[Optional[dict]]:
+        """The chat (or completions) stream's chunks, then None where ``[DONE]`` goes; an
+        error event's body in place of the rest when the request fails mid-way.
+        ``on_end``: awaited once every choice has ended, before the usage chunk (a
+        Responses request's store); its error is the stream's."""
         chat = isinstance(req, ChatCompletionRequest)
         chunk_id = new_id("chatcmpl" if chat else "cmpl")
         created = now()
@@ -1216,7 +1268,7 @@ class Ingress:
         def chunk(
             index: int, text: Optional[str], finish: Optional[str], role: bool = False, tool_calls=None,
             reasoning: Optional[str] = None,
-        ) -> bytes:
+        ) -> dict:
             logprobs = None
             if want_logprobs and not role:
                 logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index])
@@ -1235,7 +1287,7 @@ class Ingress:
             payload = {**base, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
-            return _sse(payload)
+            return payload
 
         # A reply held to a tool call goes out as tool_calls: a named function's arguments
         # as they come (the call's id and name in its first chunk, as vLLM streams them);
@@ -1249,7 +1301,7 @@ class Ingress:
         parsed: list = [parsing.stream() for _ in calls] if parsing is not None else []
         sent = [""] * len(parsed)  # per choice: the content sent so far
 
-        def parsed_chunks(index: int, delta: TokenDelta) -> list[bytes]:
+        def parsed_chunks(index: int, delta: TokenDelta) -> list[dict]:
             text, finish, parser = delta.text, delta.finish_reason, parsed[index]
             out, reasoning, content, tool_calls = [], "", text, []
             if parser is not None:
@@ -1274,7 +1326,7 @@ class Ingress:
                 out.append(chunk(index, None, finish))
             return out
 
-        def chunks(index: int, delta: TokenDelta) -> list[bytes]:
+        def chunks(index: int, delta: TokenDelta) -> list[dict]:
             """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
             no end: its logprobs go with the next chunk)."""
             if want_logprobs and delta.logprobs:
@@ -1353,13 +1405,15 @@ class Ingress:
                         yield c
                     if item.finish_reason is not None:
                         open_choices -= 1
+            if on_end is not None:
+                await on_end()
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": self._usage(calls)})
+                yield {**base, "choices": [], "usage": self._usage(calls)}
         except Exception as e:  # noqa: BLE001 - the stream ends with an error event
             await self._stop(tasks, streams)
             err = to_api_error(e)
             status = err.status_code
-            yield _sse(err.body())
+            yield err.body()
         except BaseException:
             # The client went away (cancellation): stop the work behind this stream. With
             # readers, in a task of its own that lets them end before closing the streams
@@ -1375,9 +1429,130 @@ class Ingress:
             raise
         finally:
             self._record(calls, status)
-        yield SSE_DONE
+        yield None
         if status == 200:
             await self._drain(streams)
+
+    # ---- the Responses API (app/responses.py) ------------------------------------------
+
+    async def _responses_request(self, request: Request, body: dict, sessions: Optional[SessionClient]):
+        """The chat request that serves a Responses request's body, with the previous
+        response's conversation (read from the store) and the instructions in front."""
+        rreq = responses.parse_request(body)
+        if request.headers.get("x-session-id") is not None or "session_id" in (rreq.model_extra or {}):
+            raise InvalidRequestError(
+                "A response continues another with previous_response_id, not a session; sessions "
+                "hold /v1/chat/completions turns.", param="session_id",
+            )
+        if rreq.previous_response_id is not None and sessions is None:
+            raise InvalidRequestError(
+                "previous_response_id needs stored responses, and this server stores none "
+                "(dataplane.enabled is false).", param="previous_response_id",
+            )
+        history: list[dict] = []
+        if rreq.previous_response_id is not None:
+            self._m.features.inc(tags={"endpoint": "responses", "feature": "previous_response"})
+            with self._tracer.start_as_current_span("responses.read_previous"):
+                try:
+                    record = await sessions.get_response(rreq.previous_response_id)
+                except NotFoundError:
+                    self._m.responses.inc(tags={"op": "read", "result": "not_found"})
+                    raise NotFoundError(
+                        f"Previous response with id '{rreq.previous_response_id}' not found.",
+                        param="previous_response_id", code="previous_response_not_found",
+                    ) from None
+                except Exception:
+                    self._m.responses.inc(tags={"op": "read", "result": "failed"})
+                    raise
+            self._m.responses.inc(tags={"op": "read", "result": "ok"})
+            history = responses.history_messages(record.messages)
+        new_messages = responses.input_messages(rreq)
+        try:
+            req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages))
+        except APIError as e:
+            param = responses.responses_param(e.param)
+            if param != e.param:
+                e.message = e.message.replace(f"'{e.param}'", f"'{param}'")
+                e.param = param
+            # The chat API's form of a named tool, where its hints name one.
+            e.message = e.message.replace("{'type': 'function', 'function': {'name': ...}}",
+                                          "{'type': 'function', 'name': ...}")
+            raise
+        req.history = responses.instruction_messages(rreq) + history
+        if rreq.store and sessions is None:
+            rreq.store = False  # what the response object says: nothing here stores it
+        store = sessions if rreq.store else None
+        return req, _Responding(rreq, responses.new_response_id(), history, new_messages, store)
+
+    async def _store_response(self, responding: _Responding, response: dict, call: "_Call") -> None:
+        """Store ``response`` with its conversation (the previous response's, this
+        request's input, the reply with its ids), if it is to be stored."""
+        if responding.store is None:
+            return
+        ids = reply_token_ids(call.output_ids, call.finish_reason, self._special_ids)
+        reply = responses.reply_message(response["output"], ids, TOKEN_IDS_KEY)
+        reply[responses.RESPONSE_KEY] = response
+        messages = responding.history + responding.new_messages + [reply]
+        with self._tracer.start_as_current_span(
+            "responses.store", attributes={"llm.response_id": responding.response_id, "llm.messages": len(messages)}
+        ):
+            try:
+                await responding.store.store_response(
+                    responding.response_id, messages, call.num_prompt_tokens + call.num_output_tokens,
+                    self._config.dataplane.sessions.response_ttl_s,
+                )
+            except Exception as e:
+                self._m.responses.inc(tags={"op": "store", "result": "failed"})
+                logger.warning("response %s: not stored (%s); the request fails with it",
+                               responding.response_id, type(e).__name__)
+                raise
+        self._m.responses.inc(tags={"op": "store", "result": "ok"})
+
+    async def _responses_render(self, responding: _Responding, chat: dict, calls: list["_Call"]) -> dict:
+        """A whole chat completion as the Responses API's response object, stored."""
+        choice = chat["choices"][0]
+        incomplete = choice["finish_reason"] == "length"
+        output = responses.output_from_message(choice["message"], incomplete)
+        response = responses.response_object(
+            responding.req, responding.response_id, chat["created"],
+            status="incomplete" if incomplete else "completed", output=output,
+            usage_=responses.usage(chat["usage"]),
+        )
+        await self._store_response(responding, response, calls[0])
+        return response
+
+    async def _responses_stream(self, responding: _Responding, req, calls: list["_Call"], firsts, streams):
+        """The chat stream's chunks as the Responses API's events; the response is stored
+        once the reply ended, before ``response.completed`` (a client that saw it can
+        continue it), and a store that fails ends the stream with ``response.failed``."""
+        events = responses.StreamEvents(responding.req, responding.response_id)
+        done: list[dict] = []
+
+        async def on_end() -> None:
+            status = "incomplete" if events.finish_reason == "length" else "completed"
+            done.extend(events.end(status))
+            response = responses.response_object(
+                responding.req, responding.response_id, events.created_at, status=status,
+                output=events.output, usage_=responses.usage(self._usage(calls)),
+            )
+            await self._store_response(responding, response, calls[0])
+            done.extend(events.final(response))
+
+        for event in events.start():
+            yield responses.sse_event(event)
+        payloads = self._stream_payloads(req, calls, firsts, streams, on_end=on_end)
+        async with contextlib.aclosing(payloads):
+            async for payload in payloads:
+                if payload is None:
+                    continue
+                if "error" in payload:
+                    out = done + events.failed(payload["error"])
+                elif payload.get("usage"):
+                    out = done
+                else:
+                    out = events.chunk(payload)
+                for event in out:
+                    yield responses.sse_event(event)
 
     # ---- routes -----------------------------------------------------------------------
 
@@ -1391,6 +1566,45 @@ class IngressDeployment(Ingress, GrpcIngress):
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._serve("completions", request, CompletionRequest)
+
+    @fastapi_app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await self._serve("responses", request, ResponsesRequest)
+
+    @fastapi_app.get("/v1/responses/{response_id:path}")
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        try:
+            record = await self._stored_responses(request).get_response(response_id)
+        except Exception as e:  # noqa: BLE001
+            err = to_api_error(e)
+            self._count_store_error("read", err)
+            return error_response(err)
+        self._m.responses.inc(tags={"op": "read", "result": "ok"})
+        return JSONResponse(record.messages[-1][responses.RESPONSE_KEY])
+
+    @fastapi_app.delete("/v1/responses/{response_id:path}")
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        try:
+            await self._stored_responses(request).delete_response(response_id)
+        except Exception as e:  # noqa: BLE001
+            err = to_api_error(e)
+            self._count_store_error("delete", err)
+            return error_response(err)
+        self._m.responses.inc(tags={"op": "delete", "result": "ok"})
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _count_store_error(self, op: str, err: APIError) -> None:
+        """A stored response's read or delete that did not succeed: not_found, or failed
+        (the store's fault, 5xx); a bad id or key is the client's and not counted here."""
+        if err.status_code == 404 or err.status_code >= 500:
+            self._m.responses.inc(tags={"op": op, "result": "not_found" if err.status_code == 404 else "failed"})
+
+    def _stored_responses(self, request: Request) -> SessionClient:
+        sessions = self._sessions_of(self._authenticate(request))
+        if sessions is None:
+            raise NotFoundError("This server stores no responses (dataplane.enabled is false).",
+                                code="response_not_found")
+        return sessions
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -397,6 +397,19 @@ class ChatCompletionRequest(_Request):
     def reply_parsing(self, value: Any) -> None:
         self._reply_parsing = value
 
+    # Messages that go in front of ``messages`` when no session is named: a Responses
+    # request's instructions and the conversation of its previous response
+    # (app/responses.py), in the form templates take, a reply with its generated ids.
+    _history: Optional[list] = PrivateAttr(default=None)
+
+    @property
+    def history(self) -> Optional[list]:
+        return self._history
+
+    @history.setter
+    def history(self, value: Optional[list]) -> None:
+        self._history = value
+
     def auto_tool_choice(self) -> bool:
         """The model decides whether its reply calls a tool ("auto", the default with tools)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")

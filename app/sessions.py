@@ -30,6 +30,7 @@ from app.errors import (
     _causes,
     replica_death_types,
 )
+from app.responses import check_response_id
 from app.serve_context import cancel_call
 from deployments.dataplane.redis_store import RedisRefused
 
@@ -76,7 +77,9 @@ def reply_token_ids(output_ids: Optional[list[int]], finish_reason: Optional[str
     return list(output_ids)
 
 
-def exact_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def exact_prompt_ids(
+    tokenizer, messages: list[dict], tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None
+) -> list[int]:
     """Chat-template prompt ids with the stored ids of replies spliced in. The template is
     rendered with a sentinel in place of each such reply; the text between sentinels is
     tokenised piece by piece. Pieces start and end at the template's special tokens and
@@ -91,13 +94,14 @@ def exact_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
             continue
         rendered.append({"role": m["role"], "content": _SENTINEL.format(nonce=_NONCE, index=len(spliced))})
         spliced.append(ids)
-    text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    extra = template_kwargs or {}
+    text = tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
     pieces = re.split("\u27e6" + _NONCE + r":(\d+)\u27e7", text)
     # re.split with a group: [text, index, text, index, ..., text]
     indices = [int(i) for i in pieces[1::2]]
     if indices != list(range(len(spliced))):
         plain = [{k: v for k, v in m.items() if k != TOKEN_IDS_KEY} for m in messages]
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(plain, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
         return tokenizer.encode(text, add_special_tokens=False)
     out: list[int] = []
     for i, piece in enumerate(pieces[0::2]):
@@ -435,17 +439,41 @@ class SessionClient:
 
     async def get(self, session_id: str):
         check_session_id(session_id)
-        record = await self._call("get_session", session_id, self.tenant, session_id, shard_key=session_id)
-        if record is None:
-            self._records.drop(self.tenant, session_id)
+        return await self._get(session_id, "session")
+
+    async def _get(self, record_id: str, kind: str):
+        record = await self._call("get_session", record_id, self.tenant, record_id, shard_key=record_id)
+        if record is None or (kind == "response" and record.version == 0):
+            # (A response's record holds its conversation from its one append on: one
+            # still empty is a store that did not finish, not a response.)
+            self._records.drop(self.tenant, record_id)
             # Same answer for absent, expired and another tenant's: no existence leak.
-            raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
-        self._records.put(record)
+            raise NotFoundError(f"No {kind} '{record_id}'.", param=f"{kind}_id", code=f"{kind}_not_found")
+        if kind == "session":  # (no prompt is built from a held response record)
+            self._records.put(record)
         return record
 
-    async def append(self, turn: PendingTurn, messages: list[dict], context_tokens: int):
+    async def get_response(self, response_id: str):
+        """A stored response's record (app/responses.py): 404 as a session's."""
+        check_response_id(response_id, "response_id")
+        return await self._get(response_id, "response")
+
+    async def store_response(self, response_id: str, messages: list[dict], num_tokens: int, ttl_s: int):
+        """Store a response (app/responses.py) as a record of its own: created, then its
+        conversation appended at version 0. Both calls are safe to repeat, as a
+        session's create and append are (the id is fresh; the append names its turn)."""
+        try:
+            await self._call(
+                "create_session", response_id, self.tenant, session_id=response_id, ttl_s=ttl_s, shard_key=response_id
+            )
+        except ConflictError:
+            pass  # a fresh id: only an earlier attempt of this very call took it
+        turn = PendingTurn(response_id, 0, messages, tenant=self.tenant)
+        return await self.append(turn, messages, num_tokens, keep=False)
+
+    async def append(self, turn: PendingTurn, messages: list[dict], context_tokens: int, keep: bool = True):
         """Append ``messages``; ``context_tokens`` is the conversation's size in tokens
-        after this turn (prompt + reply)."""
+        after this turn (prompt + reply). ``keep``: hold the record for ``cached``."""
         sid = turn.session_id
         # A 409 here is a turn that raced this one: after a repeat of this very append the
         # data plane answers its success (same turn id), never a conflict.
@@ -465,19 +493,27 @@ class SessionClient:
         except BaseException:
             self._records.drop(self.tenant, sid)
             raise
-        self._records.put(record)
+        if keep:
+            self._records.put(record)
         return record
 
     async def delete(self, session_id: str) -> bool:
         check_session_id(session_id)
-        self._records.drop(self.tenant, session_id)
+        return await self._delete(session_id, "session")
+
+    async def delete_response(self, response_id: str) -> bool:
+        check_response_id(response_id, "response_id")
+        return await self._delete(response_id, "response")
+
+    async def _delete(self, record_id: str, kind: str) -> bool:
+        self._records.drop(self.tenant, record_id)
         retried: list = []
         deleted = await self._call(
-            "delete_session", session_id, self.tenant, session_id, shard_key=session_id, retried=retried
+            "delete_session", record_id, self.tenant, record_id, shard_key=record_id, retried=retried
         )
         # After a retry, "nothing to delete" is our first attempt's work.
         if not deleted and not retried:
-            raise NotFoundError(f"No session '{session_id}'.", param="session_id", code="session_not_found")
+            raise NotFoundError(f"No {kind} '{record_id}'.", param=f"{kind}_id", code=f"{kind}_not_found")
         return True
 
 

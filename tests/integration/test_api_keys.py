@@ -79,6 +79,9 @@ def test_a_request_without_a_known_key_is_401_and_probes_need_none(keyed_app):
                 ("POST", "/v1/sessions", {}),
                 ("GET", "/v1/sessions/sess_" + "0" * 32, {}),
                 ("DELETE", "/v1/sessions/sess_" + "0" * 32, {}),
+                ("POST", "/v1/responses", {"json": {"model": "tiny-llama", "input": "x"}}),
+                ("GET", "/v1/responses/resp_" + "0" * 32, {}),
+                ("DELETE", "/v1/responses/resp_" + "0" * 32, {}),
             ]:
                 r = http.request(method, path, headers=headers, **kw)
                 assert r.status_code == 401, (method, path, r.text)
@@ -130,6 +133,28 @@ def test_a_tenant_neither_reads_nor_detects_another_tenants_session(keyed_app):
         own = http.post("/v1/sessions", headers=auth["globex"]).json()["id"]
         assert http.get(f"/v1/sessions/{own}", headers=auth["globex"]).status_code == 200
         assert http.get(f"/v1/sessions/{own}", headers=auth["acme"]).status_code == 404
+
+
+def test_a_tenant_neither_reads_nor_continues_another_tenants_response(keyed_app):
+    _, base, _ = keyed_app
+    acme, globex = (openai_client(base, api_key=k) for k in (ACME, GLOBEX))
+    auth = {k: {"Authorization": f"Bearer {v}"} for k, v in (("acme", ACME), ("globex", GLOBEX))}
+    mine = acme.responses.create(model="tiny-llama", input="acme's secret plan", max_output_tokens=4)
+    absent = "resp_" + "f" * 32
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for method in ("GET", "DELETE"):
+            theirs = http.request(method, f"/v1/responses/{mine.id}", headers=auth["globex"])
+            nobody = http.request(method, f"/v1/responses/{absent}", headers=auth["globex"])
+            # The same answer as for a response that does not exist (only the id differs).
+            assert theirs.status_code == nobody.status_code == 404
+            assert theirs.json()["error"]["message"].replace(mine.id, absent) == nobody.json()["error"]["message"]
+        with pytest.raises(openai.NotFoundError):
+            globex.responses.create(model="tiny-llama", input="continue it", previous_response_id=mine.id,
+                                    max_output_tokens=2)
+        kept = http.get(f"/v1/responses/{mine.id}", headers=auth["acme"])
+        assert kept.status_code == 200 and kept.json()["id"] == mine.id
+    assert acme.responses.create(model="tiny-llama", input="go on", previous_response_id=mine.id,
+                                 max_output_tokens=2).previous_response_id == mine.id
 
 
 def test_a_tenant_reuses_its_own_kv_blocks_and_never_anothers(keyed_app):

@@ -132,6 +132,41 @@ def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_p
     wait_counted(tools_app, "reasoning")
 
 
+def test_a_responses_reply_gives_its_reasoning_as_a_reasoning_item(tools_app):
+    """/v1/responses reads the reply with the same parsers: the free greedy reply that
+    chat gives as ``reasoning`` is one reasoning item, whole and streamed."""
+    client = openai_client(tools_app)
+    chat = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=12, temperature=0)
+    reasoning = chat.choices[0].message.model_extra.get("reasoning")
+    assert reasoning
+    kw = dict(model="tiny-llama", input=MESSAGES[0]["content"], max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw)
+    [item] = whole.output
+    assert item.type == "reasoning" and [c.text for c in item.content] == [reasoning], whole.output
+    assert whole.output_text == ""
+    events = list(client.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == reasoning
+    assert [i.type for i in events[-1].response.output] == ["reasoning"]
+    assert not any(e.type == "response.output_text.delta" for e in events)
+
+
+def test_a_responses_request_under_auto_gets_the_models_calls_as_function_call_items(tools_app):
+    client = openai_client(tools_app)
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+    kw = dict(model="tiny-llama", input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40, temperature=0,
+              extra_body={"structured_outputs": {"regex": CALLS}})
+    whole = client.responses.create(**kw)
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in whole.output] == [
+        ("function_call", "get_weather", {"city": "Paris"}), ("function_call", "get_time", {})]
+    assert all(i.call_id and i.status == "completed" for i in whole.output)
+    events = list(client.responses.create(stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.name, json.loads(i.arguments)) for i in done] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert [i.model_dump() for i in events[-1].response.output] == [i.model_dump() for i in done]
+
+
 def test_without_a_parser_auto_stays_a_400_that_names_the_setting(served_app):
     r = httpx.post(f"{served_app.base_url}/v1/chat/completions", timeout=60, json={
         "model": served_app.model_id, "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 4})

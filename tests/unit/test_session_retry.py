@@ -262,3 +262,39 @@ def test_a_timeout_raised_by_the_data_plane_is_its_answer_not_a_lost_call():
     with pytest.raises(TimeoutError):
         asyncio.run(timing_out_client(dp, call_timeout_s=5).get(SID))
     assert dp.get_session.calls == 1
+
+
+RID = "resp_" + "b" * 32
+
+
+def test_a_response_store_whose_create_landed_before_a_death_still_appends_it():
+    """A create made again after its first attempt landed finds the fresh id taken (its
+    own work): the store goes on to the append, at version 0. Response records are not
+    held for ``cached`` (no prompt is built from a held one)."""
+    seen = []
+
+    def appended(*args, **kwargs):
+        seen.append((args[2], kwargs["turn_id"]))
+        return dataclasses.replace(record(1, [*MSGS]), id=RID)
+
+    dp = FakeDataPlane(create_session=[rex.ActorDiedError(), ConflictError("taken")], append_turn=[appended])
+    c = client(dp)
+    assert asyncio.run(c.store_response(RID, MSGS, 10, 60)).version == 1
+    assert dp.create_session.calls == 2 and [v for v, _ in seen] == [0]
+    assert c.cached(RID) is None
+
+
+def test_a_response_record_is_read_only_once_it_holds_its_conversation():
+    empty = dataclasses.replace(record(0, []), id=RID)  # created, its append never made
+    full = dataclasses.replace(record(1, [*MSGS]), id=RID)
+    c = client(FakeDataPlane(get_session=[empty, full, None]))
+    with pytest.raises(NotFoundError) as e:
+        asyncio.run(c.get_response(RID))
+    assert e.value.code == "response_not_found" and e.value.param == "response_id"
+    assert asyncio.run(c.get_response(RID)) is full and c.cached(RID) is None
+    with pytest.raises(NotFoundError):
+        asyncio.run(c.get_response(RID))
+    from app.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(c.get_response(SID))  # a session's id is no response's

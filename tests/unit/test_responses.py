@@ -1,0 +1,263 @@
+"""The Responses API's logic (app/responses.py): input items to chat messages, the chat
+request it becomes, the reply as output items, stream events from chat chunks, and the
+ingress's Responses stream when the engine or the store fails mid-way."""
+
+import json
+
+import pytest
+
+from app import responses
+from app.errors import InvalidRequestError
+from app.ingress import _Call, _Responding
+from app.schemas import ChatCompletionRequest
+from app.sessions import TOKEN_IDS_KEY
+from deployments.compute.engines.protocol import EngineDeadError, TokenDelta
+from tests.unit.test_ingress_stream import FakeStream, _NoMetric, make_ingress
+
+
+def req(**body) -> responses.ResponsesRequest:
+    return responses.parse_request({"model": "tiny-llama", **body})
+
+
+def test_input_items_become_chat_messages_in_the_templates_form():
+    r = req(input=[
+        {"role": "system", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "not json"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "done"}]},
+    ])
+    assert responses.input_messages(r) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": "done"},
+    ]
+    assert responses.input_messages(req(input="hi")) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("items, param", [
+    ([{"role": "tool", "content": "x"}], "input[0].role"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], "input[0].content"),
+    ([{"role": "user", "content": 5}], "input[0]"),
+    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0]"),
+    ([{"type": "function_call_output", "output": "x"}], "input[0]"),
+    ([{"type": "file_search_call", "id": "x"}], "input[0].type"),
+    (["just a string"], "input"),
+    ([{"type": "reasoning", "summary": []}], "input"),
+])
+def test_input_items_this_server_cannot_take_are_400s_naming_them(items, param):
+    with pytest.raises(InvalidRequestError) as e:
+        responses.input_messages(req(input=items))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"store": "yes"}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
+])
+def test_fields_that_would_change_the_answer_and_are_not_served_are_refused(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        req(input="x", **body)
+    assert e.value.param == param
+
+
+def test_neutral_values_of_unserved_fields_pass():
+    req(input="x", background=False, truncation="disabled", include=[], reasoning=None, top_logprobs=0,
+        service_tier="auto", prompt_cache_key="k", store=False)
+
+
+def test_the_chat_request_it_becomes_validates_as_one():
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    r = req(input="x", stream=True, max_output_tokens=7, temperature=0.5, top_p=0.9, tools=[tool],
+            tool_choice={"type": "function", "name": "f"}, parallel_tool_calls=False, user="u")
+    body = responses.to_chat(r, responses.input_messages(r))
+    chat = ChatCompletionRequest.model_validate(body)
+    assert chat.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                            "parameters": {"type": "object"}, "strict": True}}]
+    assert chat.called_function() == "f" and chat.parallel_tool_calls is False
+    assert chat.requested_max_tokens() == 7 and chat.temperature == 0.5 and chat.top_p == 0.9
+    assert chat.include_usage_in_stream()  # the usage chunk ends the stream's events
+    fmt = {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}
+    r = req(input="x", text={"format": fmt})
+    chat = ChatCompletionRequest.model_validate(responses.to_chat(r, responses.input_messages(r)))
+    assert chat.structured_output() == ("json", '{"type":"object"}')
+    # A tool call of the input goes to the chat API with its arguments as text.
+    r = req(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a":1}'}])
+    assert responses.to_chat(r, responses.input_messages(r))["messages"][0]["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": '{"a": 1}'}
+    with pytest.raises(InvalidRequestError) as e:
+        responses.to_chat(req(input="x", tools=[{"type": "web_search"}]), [])
+    assert e.value.param == "tools[0].type"
+    assert responses.responses_param("max_tokens") == "max_output_tokens"
+    assert responses.responses_param("messages.0.content") == "input"
+    assert responses.responses_param("tool_choice") == "tool_choice"
+
+
+def chunk(delta=None, finish=None):
+    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}], "usage": None}
+
+
+def test_stream_events_of_reasoning_text_and_two_calls():
+    events = responses.StreamEvents(req(input="x"), "resp_" + "0" * 32)
+    out = events.start()
+    for c in (
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning": "think"}), chunk({"reasoning": "ing"}),
+        chunk({"content": "Hel"}), chunk({"content": "lo"}),
+        chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}),
+        chunk(finish="tool_calls"),
+    ):
+        out += events.chunk(c)
+    out += events.end("completed")
+    final = responses.response_object(events._req, events.response_id, events.created_at, status="completed",
+                                      output=events.output)
+    out += events.final(final)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]
+    items = out[-1]["response"]["output"]
+    assert [(i["type"], i["status"]) for i in items] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed"),
+        ("function_call", "completed")]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "thinking"}]
+    assert items[1]["content"][0]["text"] == "Hello"
+    assert [(i["call_id"], i["name"], i["arguments"]) for i in items[2:]] == [("c0", "f", '{"a":1}'), ("c1", "g", "{}")]
+    # Added items show no content yet; done ones show it whole, as the final response does.
+    added = [e["item"] for e in out if e["type"] == "response.output_item.added"]
+    assert added[0]["content"] == [] and added[1]["content"] == [] and added[2]["arguments"] == ""
+    assert [e["item"] for e in out if e["type"] == "response.output_item.done"] == items
+    # The whole reply's items are the streamed ones (ids aside).
+    whole = responses.output_from_message(
+        {"reasoning": "thinking", "content": "Hello", "tool_calls": [
+            {"id": "c0", "function": {"name": "f", "arguments": '{"a":1}'}},
+            {"id": "c1", "function": {"name": "g", "arguments": "{}"}}]}, incomplete=False)
+    strip = [{k: v for k, v in i.items() if k != "id"} for i in items]
+    assert [{k: v for k, v in i.items() if k != "id"} for i in whole] == strip
+
+
+def test_an_empty_reply_is_one_empty_message_and_a_cut_one_is_incomplete():
+    events = responses.StreamEvents(req(input="x"), "resp_" + "0" * 32)
+    out = events.chunk(chunk(finish="stop")) + events.end("completed")
+    assert [e["type"] for e in out] == ["response.output_item.added", "response.content_part.added",
+                                        "response.output_text.done", "response.content_part.done",
+                                        "response.output_item.done"]
+    assert events.output[0]["content"][0]["text"] == "" and events.output[0]["status"] == "completed"
+    assert responses.output_from_message({"content": ""}, False)[0]["content"][0]["text"] == ""
+    assert [i["type"] for i in responses.output_from_message({"reasoning": "r", "content": ""}, False)] == [
+        "reasoning"]
+    events = responses.StreamEvents(req(input="x"), "resp_" + "0" * 32)
+    events.chunk(chunk({"content": "ab"}, finish="length"))
+    events.end("incomplete")
+    obj = responses.response_object(events._req, events.response_id, 0, status="incomplete", output=events.output)
+    assert obj["incomplete_details"] == {"reason": "max_output_tokens"} and obj["output"][0]["status"] == "incomplete"
+
+
+def test_the_stored_reply_keeps_its_ids_and_calls_and_history_drops_the_object():
+    output = [responses.message_item("hi"), responses.call_item("c", "f", '{"a": 1}')]
+    reply = responses.reply_message(output, [5, 6], TOKEN_IDS_KEY)
+    assert reply == {"role": "assistant", "content": "hi", TOKEN_IDS_KEY: [5, 6], "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+    reply[responses.RESPONSE_KEY] = {"id": "resp_x"}
+    assert responses.history_messages([reply]) == [{k: v for k, v in reply.items() if k != responses.RESPONSE_KEY}]
+
+
+class FailingStore:
+    def __init__(self, error=None):
+        self.error, self.stored = error, []
+
+    async def store_response(self, response_id, messages, num_tokens, ttl_s):
+        if self.error is not None:
+            raise self.error
+        self.stored.append((response_id, messages, num_tokens))
+
+
+def responses_ingress():
+    from opentelemetry import trace
+
+    ing = make_ingress()
+    ing._special_ids = frozenset({2})
+    ing._tracer = trace.get_tracer(__name__)
+    ing._m.responses = _NoMetric()
+    return ing
+
+
+async def run_stream(ing, store, stream, first):
+    r = req(input="x", stream=True)
+    chat = ChatCompletionRequest.model_validate(responses.to_chat(r, responses.input_messages(r)))
+    call = _Call("responses", "r1", 3)
+    call.output_ids = []
+    call.on_delta(first)
+    responding = _Responding(r, "resp_" + "1" * 32, [], responses.input_messages(r), store)
+    out = []
+    async for raw in ing._responses_stream(responding, chat, [call], [first], [stream]):
+        kind, data = raw.decode().strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == "event: " + event["type"]
+        out.append(event)
+    return out
+
+
+async def test_a_stream_stores_its_response_before_completed_and_a_store_failure_fails_it():
+    from app.errors import ServiceUnavailableError
+
+    ing = responses_ingress()
+    store = FailingStore()
+    stream = FakeStream([TokenDelta("b", [4], None, 3, 2), TokenDelta("", [2], "stop", 3, 3)])
+    out = await run_stream(ing, store, stream, TokenDelta("a", [3], None, 3, 1))
+    assert out[-1]["type"] == "response.completed"
+    [(rid, messages, num_tokens)] = store.stored
+    assert rid == out[-1]["response"]["id"] and num_tokens == 3 + 3
+    assert messages[0] == {"role": "user", "content": "x"}
+    assert messages[1]["content"] == "ab" and messages[1][TOKEN_IDS_KEY] == [3, 4]  # the end token left out
+    assert messages[1][responses.RESPONSE_KEY] == out[-1]["response"]
+
+    store = FailingStore(ServiceUnavailableError("the store refuses writes"))
+    stream = FakeStream([TokenDelta("b", [4], None, 3, 2), TokenDelta("", [2], "stop", 3, 3)])
+    out = await run_stream(ing, store, stream, TokenDelta("a", [3], None, 3, 1))
+    kinds = [e["type"] for e in out]
+    assert "response.completed" not in kinds and kinds[-2:] == ["error", "response.failed"]
+    assert out[-1]["response"]["status"] == "failed" and "refuses writes" in out[-1]["response"]["error"]["message"]
+    assert "response.output_item.done" in kinds  # the message's events still end
+
+
+async def test_an_engine_failure_mid_stream_fails_the_response_and_stores_nothing():
+    ing = responses_ingress()
+    store = FailingStore()
+    stream = FakeStream([TokenDelta("b", [4], None, 3, 2), EngineDeadError("boom")])
+    out = await run_stream(ing, store, stream, TokenDelta("a", [3], None, 3, 1))
+    kinds = [e["type"] for e in out]
+    assert kinds[-2:] == ["error", "response.failed"] and store.stored == []
+    assert out[-2]["message"] and out[-1]["response"]["output"][0]["status"] == "incomplete"
+    assert stream.cancelled

@@ -22,7 +22,15 @@ drift on a shared machine hits them alike:
 * ``l3_dataplane``: as ``l3`` with ``direct_l3_reads`` off: the data plane reads them from
   Redis and hands them over through the object store (its own deployment);
 * ``recompute``: KV reuse off (``dataplane.kv_reuse: false``); every turn prefills its
-  whole context.
+  whole context;
+* ``responses``: as ``l1``, but the conversation is a chain of OpenAI Responses
+  (``POST /v1/responses`` with ``previous_response_id``) instead of a session;
+* ``stateless``: as ``l1``, but with no server-side state at all: every turn sends the
+  whole conversation to ``/v1/chat/completions``, the replies as the text the client got
+  (what a client of a stateless OpenAI server does). Its prefix is found again only as far
+  as the replies' text tokenises back to the ids the model generated.
+
+Each turn's reused prompt tokens (``usage``'s cached tokens) are reported per mode too.
 
 Turn 1 has nothing to reuse in any mode: its TTFT with reuse on versus off is the cost of a
 miss (lookup + export).
@@ -60,7 +68,7 @@ WORDS = (
 ).split()
 
 
-MODES = ("l1", "l2", "l3", "l3_dataplane", "recompute")
+MODES = ("l1", "l2", "l3", "l3_dataplane", "recompute", "responses", "stateless")
 WARMUP_CONVERSATIONS = 6  # 2 data-plane replicas: all six on one of them has odds 1/32
 
 
@@ -129,26 +137,61 @@ def flush_l2(app_name: str) -> None:
         handle.flush_l2.remote(shard_key=f"flush-{i}").result(timeout_s=60)
 
 
-def ttft_of_turn(client: httpx.Client, sid: str, text: str, reply_tokens: int) -> float:
-    body = {
+def _stream(client: httpx.Client, path: str, body: dict, headers: dict, first: str) -> tuple[float, list[dict]]:
+    """TTFT (the first data line holding ``first``) and every JSON data line of a stream."""
+    start = time.perf_counter()
+    ttft, payloads = None, []
+    with client.stream("POST", path, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"turn failed: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if ttft is None and first in line:
+                ttft = time.perf_counter() - start
+            payloads.append(json.loads(line[len("data: "):]))
+    if ttft is None:
+        raise RuntimeError("no content in the stream")
+    return ttft, payloads
+
+
+def _chat_body(messages: list[dict], reply_tokens: int) -> dict:
+    return {
         "model": "bench",
-        "messages": [{"role": "user", "content": text}],
+        "messages": messages,
         "max_tokens": reply_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    ttft = None
-    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"turn failed: {r.status_code} {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if ttft is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                ttft = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError("no content in the stream")
-    return ttft
+
+
+def _chat_turn(client: httpx.Client, messages: list[dict], reply_tokens: int, headers: dict) -> tuple[float, int, str]:
+    """TTFT, reused prompt tokens and the reply's text of one streamed chat turn."""
+    ttft, payloads = _stream(client, "/v1/chat/completions", _chat_body(messages, reply_tokens), headers,
+                             '"content":"')
+    text = "".join((p["choices"][0]["delta"].get("content") or "") for p in payloads if p.get("choices"))
+    usage = next(p["usage"] for p in payloads if p.get("usage"))
+    return ttft, usage["prompt_tokens_details"]["cached_tokens"], text
+
+
+def ttft_of_turn(client: httpx.Client, sid: str, text: str, reply_tokens: int) -> tuple[float, int]:
+    ttft, cached, _ = _chat_turn(client, [{"role": "user", "content": text}], reply_tokens, {"X-Session-Id": sid})
+    return ttft, cached
+
+
+def response_turn(client: httpx.Client, previous: Optional[str], text: str, reply_tokens: int) -> tuple[float, int, str]:
+    """TTFT, reused prompt tokens and the id of one streamed Responses turn."""
+    body = {"model": "bench", "input": text, "max_output_tokens": reply_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    ttft, events = _stream(client, "/v1/responses", body, {}, '"type":"response.output_text.delta"')
+    final = events[-1]
+    if final["type"] not in ("response.completed", "response.incomplete"):
+        raise RuntimeError(f"the response ended with {final['type']}: {json.dumps(final)[:300]}")
+    return ttft, final["response"]["usage"]["input_tokens_details"]["cached_tokens"], final["response"]["id"]
 
 
 def worker_kv_stats(app_name: str, with_worker: bool = False) -> dict:
@@ -158,11 +201,13 @@ def worker_kv_stats(app_name: str, with_worker: bool = False) -> dict:
     return handle.kv_stats.remote().result(timeout_s=60)
 
 
-def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> list[float]:
+def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> tuple[list[float], list[int]]:
+    """TTFT (s) and reused prompt tokens of each turn of one conversation."""
     rng = random.Random(seed)
-    ttfts = []
+    ttfts, cached = [], []
     with httpx.Client(base_url=base_url, timeout=600) as client:
-        sid = client.post("/v1/sessions").json()["id"]
+        sid = client.post("/v1/sessions").json()["id"] if mode not in ("responses", "stateless") else None
+        previous, messages = None, []
         for t in range(args.turns):
             text = " ".join(rng.choice(WORDS) for _ in range(args.turn_words))
             # A person reads and types between turns; the previous turn's KV blocks are
@@ -170,10 +215,20 @@ def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> li
             time.sleep(args.think_s)
             if mode in ("l3", "l3_dataplane"):
                 flush_l2(app_name)
-            ttfts.append(ttft_of_turn(client, sid, text, args.reply_tokens))
-            _say(f"  {mode} turn {t + 1}: ttft {1000 * ttfts[-1]:.0f} ms")
-        client.delete(f"/v1/sessions/{sid}")
-    return ttfts
+            if mode == "responses":
+                ttft, hit, previous = response_turn(client, previous, text, args.reply_tokens)
+            elif mode == "stateless":
+                messages.append({"role": "user", "content": text})
+                ttft, hit, reply = _chat_turn(client, messages, args.reply_tokens, {})
+                messages.append({"role": "assistant", "content": reply})
+            else:
+                ttft, hit = ttft_of_turn(client, sid, text, args.reply_tokens)
+            ttfts.append(ttft)
+            cached.append(hit)
+            _say(f"  {mode} turn {t + 1}: ttft {1000 * ttft:.0f} ms, {hit} prompt tokens reused")
+        if sid is not None:
+            client.delete(f"/v1/sessions/{sid}")
+    return ttfts, cached
 
 
 def main(argv=None) -> int:
@@ -242,6 +297,7 @@ def main(argv=None) -> int:
     model_path = ensure_model(Path(args.model_dir or f"models/{args.preset}"), args.preset)
     base_url = f"http://127.0.0.1:{args.port}"
     runs: dict[str, list[list[float]]] = {m: [] for m in MODES}
+    reused: dict[str, list[list[int]]] = {m: [] for m in MODES}
     kv: dict[str, list[dict]] = {mode: [] for mode in runs}
     with LocalRedis() as redis, contextlib.ExitStack() as stack:
         kv_server = start_kv_redis(args.kv_redis, stack)
@@ -252,7 +308,7 @@ def main(argv=None) -> int:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
             for kv_reuse, l1, direct, all_modes in (
-                (True, True, True, ("l1",)),
+                (True, True, True, ("l1", "responses", "stateless")),
                 (True, False, True, ("l2", "l3")),
                 (True, False, False, ("l3_dataplane",)),
                 (False, False, True, ("recompute",)),
@@ -296,7 +352,9 @@ def main(argv=None) -> int:
                     # Distinct text per mode and round: one mode must not hit another's blocks.
                     seed = 1000 * rnd + 100 * list(runs).index(mode) + len(runs[mode])
                     before = worker_kv_stats("bench", args.with_worker)
-                    runs[mode].append(conversation(base_url, mode, args, seed, "bench"))
+                    ttfts, hits = conversation(base_url, mode, args, seed, "bench")
+                    runs[mode].append(ttfts)
+                    reused[mode].append(hits)
                     after = worker_kv_stats("bench", args.with_worker)
                     kv[mode].append({k: after[k] - before[k] for k in after if isinstance(after[k], int)})
                     _say(f"  {mode} KV counters: {kv[mode][-1]}")
@@ -317,12 +375,20 @@ def main(argv=None) -> int:
                 )
         if "l2" in table:
             ratios["miss_cost_turn1_l2_over_recompute"] = table["l2"][0] / table["recompute"][0]
+    for slow, fast in (("stateless", "responses"), ("stateless", "l1"), ("responses", "l1")):
+        if slow in table and fast in table and late:
+            ratios[f"{slow}_over_{fast}_turns_ge4"] = statistics.median(table[slow][t] / table[fast][t] for t in late)
     print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median TTFT, ms)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{table[m][t]:>12.1f}" for m in table))
     print(json.dumps(ratios, indent=2))
+    hits = {m: [statistics.median(c[t] for c in reused[m]) for t in range(args.turns)] for m in table}
+    print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median reused prompt tokens)")
+    for t in range(args.turns):
+        print(f"{t + 1:>4}  " + "".join(f"{hits[m][t]:>12.0f}" for m in table))
     print(json.dumps({"kv_counters_per_conversation": kv}, indent=2))
-    report = {"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "kv_counters": kv, "raw_s": runs}
+    report = {"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "kv_counters": kv, "raw_s": runs,
+              "reused_prompt_tokens_by_turn": hits}
     _say(f"stored {write_report(args.out, report)}")
     return 0
 

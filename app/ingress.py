@@ -1465,6 +1465,10 @@ class Ingress:
                     self._m.responses.inc(tags={"op": "read", "result": "failed"})
                     raise
             self._m.responses.inc(tags={"op": "read", "result": "ok"})
+            if rreq.store:
+                # Read while its store refuses writes: so would this response's store be,
+                # after its reply was generated; refused now, as a session turn is.
+                check_writable(record)
             history = responses.history_messages(record.messages)
         new_messages = responses.input_messages(rreq)
         try:

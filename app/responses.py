@@ -103,7 +103,11 @@ class ResponsesRequest(BaseModel):
         "background": (_false, "false"),
         "conversation": (_unset, "null (continue a response with previous_response_id)"),
         "prompt": (_unset, "null"),
-        "include": (_empty, "[]"),
+        # Encrypted reasoning is for carrying reasoning across stateless requests; there is
+        # none here to encrypt (reasoning items come with their text), and input reasoning
+        # items are dropped: asking for it changes nothing.
+        "include": (lambda v: _empty(v) or v == ["reasoning.encrypted_content"],
+                    '[] or ["reasoning.encrypted_content"]'),
         "reasoning": (_empty, "null (the model's reasoning, if any, comes back as a reasoning item)"),
         "truncation": (_one_of("disabled"), '"disabled"'),
         "top_logprobs": (_one_of(0), "0"),

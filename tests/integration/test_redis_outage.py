@@ -4,6 +4,7 @@ up in Redis once it is back."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -105,6 +106,40 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
         assert [m["content"] for m in record["messages"][0::2]] == [f"turn {i}" for i in range(n)]
 
 
+def test_responses_stored_while_redis_is_down_are_continued_then_written_back(served_app, redis_server, redis_client):
+    """A response stored during an outage is kept by its data-plane replica: it can be
+    read and continued at once, and it is in Redis once the server is back."""
+    base = served_app.base_url
+    body = {"model": served_app.model_id, "max_output_tokens": 4, "temperature": 0}
+    try:
+        redis_server.stop()
+        wait_for_dataplane(base, "degraded")
+        first = httpx.post(base + "/v1/responses", json={**body, "input": "during the outage"}, timeout=60)
+        assert first.status_code == 200, first.text
+        rid = first.json()["id"]
+        second = httpx.post(base + "/v1/responses", json={**body, "input": "and on", "previous_response_id": rid},
+                            timeout=60)
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
+        read = httpx.get(f"{base}/v1/responses/{rid}", timeout=30)
+        assert read.status_code == 200 and read.json() == first.json()
+        redis_server.start()
+        wait_for_dataplane(base, "ok", timeout_s=60)
+    finally:
+        if not redis_server.running:
+            redis_server.start()
+    ids = (rid, second.json()["id"])
+
+    def written_back() -> bool:
+        return all(int(redis_client.hget(keys.session_key("default", i), "version") or -1) == 1 for i in ids)
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not written_back():
+        time.sleep(0.5)
+    assert written_back()
+    assert httpx.get(f"{base}/v1/responses/{ids[1]}", timeout=30).json() == second.json()
+
+
 def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served_app, redis_client):
     """The Redis answers but is full (``maxmemory`` with ``noeviction``: what a durable
     sessions server runs with): a session create or turn is a 503 naming the cause, with
@@ -122,6 +157,8 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
             return client.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json=body)
 
         assert turn("first").status_code == 200
+        answer = {"model": served_app.model_id, "max_output_tokens": 4, "temperature": 0}
+        rid = client.post("/v1/responses", json={**answer, "input": "stored before"}).json()["id"]
         key = keys.session_key("default", sid)
         before = redis_client.hgetall(key)
         redis_client.config_set("maxmemory", 1)
@@ -145,6 +182,21 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
                     "messages": [{"role": "user", "content": "in the body"}]}),
                 client.post("/v1/sessions"),
             ]
+            # A response that continues a stored one is refused before its reply, as a
+            # session turn is; a new one is refused when its store is (after its reply).
+            refused += [
+                client.post("/v1/responses", json={**answer, "input": "go on", "previous_response_id": rid}),
+                client.post("/v1/responses", json={**answer, "input": "go on", "previous_response_id": rid,
+                                                   "stream": True}),
+                client.post("/v1/responses", json={**answer, "input": "a new one"}),
+            ]
+            with client.stream("POST", "/v1/responses", json={**answer, "input": "new", "stream": True}) as r:
+                events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+            assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], events[-3:]
+            assert events[-2]["code"] == "store_refusing_writes"
+            unstored = client.post("/v1/responses", json={**answer, "input": "x", "store": False})
+            assert unstored.status_code == 200, unstored.text
+            assert client.get(f"/v1/responses/{rid}").status_code == 200
             for r in refused:
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "5"
@@ -163,6 +215,7 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
             redis_client.config_set("maxmemory", 0)
         wait_for_dataplane(base, "ok")
         assert turn("third").status_code == 200
+        assert client.post("/v1/responses", json={**answer, "input": "on", "previous_response_id": rid}).status_code == 200
         record = client.get(f"/v1/sessions/{sid}").json()
         assert record["version"] == 2
         assert [m["content"] for m in record["messages"][0::2]] == ["first", "third"]

@@ -81,6 +81,7 @@ def test_fields_that_would_change_the_answer_and_are_not_served_are_refused(body
 def test_neutral_values_of_unserved_fields_pass():
     req(input="x", background=False, truncation="disabled", include=[], reasoning=None, top_logprobs=0,
         service_tier="auto", prompt_cache_key="k", store=False)
+    req(input="x", include=["reasoning.encrypted_content"])
 
 
 def test_the_chat_request_it_becomes_validates_as_one():
@@ -261,3 +262,79 @@ async def test_an_engine_failure_mid_stream_fails_the_response_and_stores_nothin
     assert kinds[-2:] == ["error", "response.failed"] and store.stored == []
     assert out[-2]["message"] and out[-1]["response"]["output"][0]["status"] == "incomplete"
     assert stream.cancelled
+
+
+def _odd_value(rng, depth=0):
+    """A JSON value of any shape, as a client's mistake might send."""
+    kinds = ["str", "int", "float", "bool", "none", "list", "dict"] if depth < 3 else ["str", "int", "none"]
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return rng.choice(["", "x", "input_text", "function_call", "message", "user", "function", "json_schema",
+                           "auto", "none", "required", "resp_" + "0" * 32, "{\"a\": 1}"])
+    if kind == "int":
+        return rng.choice([-1, 0, 1, 7, 10**9])
+    if kind == "float":
+        return rng.choice([0.5, -3.0, 1e300])
+    if kind == "bool":
+        return rng.choice([True, False])
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_odd_value(rng, depth + 1) for _ in range(rng.randrange(3))]
+    keys = ["type", "role", "content", "text", "call_id", "name", "arguments", "output", "format", "schema",
+            "parameters", "function"]
+    return {rng.choice(keys): _odd_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+_VALID = {
+    "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "o"},
+    ],
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}],
+    "tool_choice": {"type": "function", "name": "f"},
+    "text": {"format": {"type": "text"}},  # (a named tool_choice takes no response format)
+}
+
+
+def _corrupt(rng, value):
+    """``value`` with one member, at any depth, replaced by a value of any shape."""
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return value[:i] + [_corrupt(rng, value[i])] + value[i + 1:]
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        return {**value, key: _corrupt(rng, value[key])}
+    return _odd_value(rng)
+
+
+async def test_any_malformed_body_is_an_api_error_never_a_crash():
+    """Bodies valid but for one member, at any depth, of any shape, through the whole
+    request path (parse, input items, the chat request and its validation): a chat
+    request, or an APIError naming the field."""
+    import copy
+    import random
+    from types import SimpleNamespace
+
+    from app.errors import APIError
+
+    ing = make_ingress()
+    ing._reply_parser = None
+    rng = random.Random(7)
+    scalars = ["instructions", "metadata", "max_output_tokens", "temperature", "top_p", "parallel_tool_calls",
+               "store", "stream", "previous_response_id", "user"]
+    answered = refused = 0
+    for _ in range(600):
+        body = {"model": "tiny-llama", **copy.deepcopy(_VALID)}
+        name = rng.choice([*_VALID, *scalars])
+        body[name] = _corrupt(rng, body[name]) if name in _VALID else _odd_value(rng)
+        try:
+            req, _ = await ing._responses_request(SimpleNamespace(headers={}), body, None)
+            assert isinstance(req, ChatCompletionRequest)
+            answered += 1
+        except APIError as e:
+            assert e.status_code in (400, 404) and e.message, body
+            refused += 1
+    assert answered > 50 and refused > 200, (answered, refused)

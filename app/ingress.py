@@ -927,18 +927,27 @@ class Ingress:
             call.trace_id,
         )
 
-    @staticmethod
-    def _usage(calls: list[_Call]) -> dict:
+    def _usage(self, calls: list[_Call], req=None) -> dict:
         # The prompt is counted once, as OpenAI does for n > 1; so are its cached tokens
         # (OpenAI's prompt caching field: KV reused instead of prefilled).
         prompt = calls[0].num_prompt_tokens
         completion = sum(c.num_output_tokens for c in calls)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": calls[0].num_cached_tokens},
         }
+        if isinstance(req, ChatCompletionRequest) and self._reasoning_tokens_counted():
+            # As vLLM's chat server reports them with a reasoning parser: every chat
+            # request's usage has the field (0 where the parser does not apply).
+            parsing = req.reply_parsing
+            counted = sum(parsing.count_reasoning_tokens(c.output_ids or []) for c in calls) if parsing else 0
+            usage["completion_tokens_details"] = {"reasoning_tokens": counted}
+        return usage
+
+    def _reasoning_tokens_counted(self) -> bool:
+        return self._reply_parser is not None and self._reply_parser.reasoning_parser is not None
 
     # ---- generation -------------------------------------------------------------------
 
@@ -1136,6 +1145,11 @@ class Ingress:
             call.prompt_ids = prompt_ids
         elif getattr(req, "history", None) is not None:
             call.output_ids = []  # a Responses reply, stored with its ids
+        parsing = getattr(req, "reply_parsing", None)
+        if parsing is not None and parsing.reasoning:
+            for c in calls:  # their reasoning tokens are counted from them (_usage)
+                if c.output_ids is None:
+                    c.output_ids = []
         early = None
         if session_lookup is not None:
             if turn is not None and turn.expected_version == session_lookup.version:
@@ -1234,7 +1248,7 @@ class Ingress:
             "created": now(),
             "model": req.model,
             "choices": choices,
-            "usage": self._usage(calls),
+            "usage": self._usage(calls, req),
         }
 
     async def _stream_body(self, req, calls: list[_Call], firsts, streams) -> AsyncIterator[bytes]:
@@ -1408,7 +1422,7 @@ class Ingress:
             if on_end is not None:
                 await on_end()
             if include_usage:
-                yield {**base, "choices": [], "usage": self._usage(calls)}
+                yield {**base, "choices": [], "usage": self._usage(calls, req)}
         except Exception as e:  # noqa: BLE001 - the stream ends with an error event
             await self._stop(tasks, streams)
             err = to_api_error(e)
@@ -1537,7 +1551,7 @@ class Ingress:
             done.extend(events.end(status))
             response = responses.response_object(
                 responding.req, responding.response_id, events.created_at, status=status,
-                output=events.output, usage_=responses.usage(self._usage(calls)),
+                output=events.output, usage_=responses.usage(self._usage(calls, req)),
             )
             await self._store_response(responding, response, calls[0])
             done.extend(events.final(response))

@@ -121,6 +121,7 @@ class ReplyParsing:
         # open (a template that ends its prompt with <think>). Set by the ingress.
         self.prompt_ids: Optional[list[int]] = None
         self._spare = None  # an unused instance, for the first reading
+        self._counter = None  # an instance that read a reply here, to count its reasoning
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -137,8 +138,20 @@ class ReplyParsing:
         kwargs = self.request.chat_template_kwargs
         return self._cls(self._tokenizer, self.request.tools, **({"chat_template_kwargs": kwargs} if kwargs else {}))
 
+    def count_reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of a reply's generated ids are reasoning, as vLLM's reasoning parser
+        counts them (the ids between its start and end markers; 0 for a parser that does
+        not count, and without reasoning parsing): what vLLM reports as
+        ``completion_tokens_details.reasoning_tokens``."""
+        if not self.reasoning or not token_ids:
+            return 0
+        if self._counter is None:
+            self._counter = self._new()
+        return self._counter.count_reasoning_tokens(list(token_ids))
+
     def parse(self, text: str) -> Parsed:
-        reasoning, content, calls = self._new().parse(text, self.request, enable_auto_tools=self.tools)
+        parser = self._counter = self._new()
+        reasoning, content, calls = parser.parse(text, self.request, enable_auto_tools=self.tools)
         return Parsed(
             content or None,
             [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -147,7 +160,8 @@ class ReplyParsing:
         )
 
     def stream(self) -> "StreamedReply":
-        return StreamedReply(self._new(), self.request, self.prompt_ids)
+        parser = self._counter = self._new()
+        return StreamedReply(parser, self.request, self.prompt_ids)
 
 
 class StreamedReply:

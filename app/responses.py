@@ -377,7 +377,8 @@ def output_from_message(message: dict, incomplete: bool) -> list[dict]:
     return items
 
 
-def usage(chat_usage: dict, reasoning_tokens: int = 0) -> dict:
+def usage(chat_usage: dict) -> dict:
+    reasoning_tokens = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},

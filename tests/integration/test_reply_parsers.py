@@ -109,7 +109,12 @@ def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_p
     r = client.chat.completions.create(messages=MESSAGES, **kw)
     message = r.choices[0].message
     assert message.model_extra.get("reasoning") == raw and not message.content, message
-    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **kw))
+    # vLLM's count of the reply's reasoning tokens (all of them: it never left reasoning).
+    counted = r.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < counted <= r.usage.completion_tokens, r.usage
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **kw,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == counted
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == raw
     assert not "".join(d.content or "" for d in deltas)
@@ -120,6 +125,7 @@ def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_p
         stub = llm_pb2_grpc.LLMStub(channel)
         reply = stub.ChatCompletion(request, metadata=metadata, timeout=60)
         assert reply.choices[0].message.reasoning == raw and not reply.choices[0].message.content
+        assert reply.usage.completion_tokens_details.reasoning_tokens == counted
         chunks = list(stub.ChatCompletionStream(request, metadata=metadata, timeout=60))
         assert "".join(c.choices[0].delta.reasoning for c in chunks if c.choices) == raw
     quiet = client.chat.completions.create(messages=MESSAGES, extra_body={"include_reasoning": False}, **kw)
@@ -143,6 +149,7 @@ def test_a_responses_reply_gives_its_reasoning_as_a_reasoning_item(tools_app):
     whole = client.responses.create(**kw)
     [item] = whole.output
     assert item.type == "reasoning" and [c.text for c in item.content] == [reasoning], whole.output
+    assert whole.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens > 0
     assert whole.output_text == ""
     events = list(client.responses.create(stream=True, **kw))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
@@ -150,6 +157,8 @@ def test_a_responses_reply_gives_its_reasoning_as_a_reasoning_item(tools_app):
     assert done.text == reasoning
     assert [i.type for i in events[-1].response.output] == ["reasoning"]
     assert not any(e.type == "response.output_text.delta" for e in events)
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == (
+        whole.usage.output_tokens_details.reasoning_tokens)
 
 
 def test_a_responses_request_under_auto_gets_the_models_calls_as_function_call_items(tools_app):

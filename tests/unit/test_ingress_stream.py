@@ -48,6 +48,7 @@ def make_ingress() -> Ingress:
     ing = Ingress.__new__(Ingress)
     ing._config = AppConfig()
     ing._stopping = set()
+    ing._reply_parser = None
     ing._m = SimpleNamespace(**{k: _NoMetric() for k in ("requests", "ttft", "tpot", "e2e", "prompt_tokens", "output_tokens")})
     return ing
 

@@ -257,6 +257,48 @@ def test_the_whole_answer_carries_calls_and_reasoning(tokenizer):
     assert ing._m.reply_parses.seen == [{"outcome": "tool_calls"}]
 
 
+def test_reasoning_tokens_are_counted_as_vllm_counts_them(tokenizer):
+    """With a reasoning parser, every chat reply's usage has
+    completion_tokens_details.reasoning_tokens, what vLLM's reasoning parser counts of
+    the generated ids (streamed usage and whole answer alike); 0 where the parser does not
+    apply; absent without a reasoning parser, as vLLM's server leaves it out."""
+    from app.ingress import _Call
+    from tests.unit.test_ingress_stream import FakeStream, events
+
+    ing = parsing_ingress(tokenizer, tool_parser="pythonic", reasoning_parser="qwen3")
+    text = "<think>Rome is warm today.</think>Take a hat."
+    deltas = deltas_of(tokenizer, text)
+    ids = [i for d in deltas for i in d.token_ids]
+    from vllm.reasoning import ReasoningParserManager
+
+    expected = ReasoningParserManager.get_reasoning_parser("qwen3")(tokenizer).count_reasoning_tokens(ids)
+    assert 3 < expected < len(ids)
+
+    req = parsed_request(ing, stream_options={"include_usage": True})
+    call = _Call("chat", "r1", 5)
+    call.output_ids = []
+    call.on_delta(deltas[0])
+    async def stream():
+        return events([c async for c in ing._stream_body(req, [call], [deltas[0]], [FakeStream(deltas[1:])])])
+
+    out = asyncio.run(stream())
+    usage = [e for e in out if e != "[DONE]" and e.get("usage")][-1]["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}
+
+    whole = parsed_request(ing)
+    ing._parse_reply(whole, text)
+    done = _Call("chat", "r2", 5)
+    done.output_ids = list(ids)
+    assert ing._usage([done], whole)["completion_tokens_details"] == {"reasoning_tokens": expected}
+    # The parser does not apply (the request's own structured output): 0, still reported.
+    held = chat(response_format={"type": "json_object"})
+    assert ing._reply_parser.for_request(held) is None
+    assert ing._usage([done], held)["completion_tokens_details"] == {"reasoning_tokens": 0}
+    # No reasoning parser: no field.
+    tools_only = parsing_ingress(tokenizer, tool_parser="pythonic")
+    assert "completion_tokens_details" not in tools_only._usage([done], chat())
+
+
 def test_a_parser_that_fails_leaves_the_reply_as_text(tokenizer, monkeypatch):
     def boom(self, text, token_ids, finished):  # passes "Weather" through, holds the rest, fails at "fine"
         self.text += text

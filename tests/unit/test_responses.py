@@ -338,3 +338,13 @@ async def test_any_malformed_body_is_an_api_error_never_a_crash():
             assert e.status_code in (400, 404) and e.message, body
             refused += 1
     assert answered > 50 and refused > 200, (answered, refused)
+
+
+def test_usage_is_the_chat_usage_under_the_responses_names():
+    chat = {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+            "prompt_tokens_details": {"cached_tokens": 8}, "completion_tokens_details": {"reasoning_tokens": 3}}
+    assert responses.usage(chat) == {
+        "input_tokens": 10, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 14}
+    del chat["completion_tokens_details"]  # (no reasoning parser)
+    assert responses.usage(chat)["output_tokens_details"] == {"reasoning_tokens": 0}

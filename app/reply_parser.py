@@ -23,8 +23,11 @@ grammar after the reasoning instead).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass(slots=True)
@@ -145,9 +148,14 @@ class ReplyParsing:
         ``completion_tokens_details.reasoning_tokens``."""
         if not self.reasoning or not token_ids:
             return 0
-        if self._counter is None:
-            self._counter = self._new()
-        return self._counter.count_reasoning_tokens(list(token_ids))
+        try:
+            if self._counter is None:
+                self._counter = self._new()
+            return int(self._counter.count_reasoning_tokens(list(token_ids)))
+        except Exception:  # noqa: BLE001 - a count must not fail the reply it describes
+            logger.warning("vLLM's reasoning parser failed to count a reply's reasoning tokens; "
+                           "reported as 0", exc_info=True)
+            return 0
 
     def parse(self, text: str) -> Parsed:
         parser = self._counter = self._new()

@@ -320,3 +320,13 @@ def test_a_parser_that_fails_leaves_the_reply_as_text(tokenizer, monkeypatch):
     ing = parsing_ingress(tokenizer, tool_parser="pythonic")
     assert ing._parse_reply(req, "Weather in Oslo is fine.") is None
     assert ing._m.reply_parses.seen == [{"outcome": "failed"}]
+
+
+def test_a_count_that_fails_is_zero_not_a_failed_reply(tokenizer, monkeypatch):
+    parsing = ReplyParser(tokenizer, reasoning_parser="qwen3").for_request(chat())
+
+    def boom(self, ids):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(type(parsing._new()), "count_reasoning_tokens", boom)
+    assert parsing.count_reasoning_tokens([1, 2, 3]) == 0

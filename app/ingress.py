@@ -48,7 +48,7 @@ from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
 from app.reply_parser import Parsed, ReplyParser
 from app.responses import ResponsesRequest
-from app.schemas import ChatCompletionRequest, CompletionRequest, new_id, now
+from app.schemas import ChatCompletionRequest, CompletionRequest, invalid_body, new_id, now, refuse_unsupported
 from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
@@ -167,6 +167,10 @@ def _named_session(request: Request, req) -> Optional[str]:
         )
     return header if header is not None else req.session_id
 
+
+# The 404 of the sessions API, and of the stored-responses routes, while the data plane is off.
+NO_SESSIONS = ("Sessions are disabled on this server (dataplane.enabled).", None)
+NO_STORED_RESPONSES = ("This server stores no responses (dataplane.enabled is false).", "response_not_found")
 
 # At most one log line about refused API keys this often (the metric counts each).
 AUTH_LOG_INTERVAL_S = 10.0
@@ -549,11 +553,7 @@ class Ingress:
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            msg = first["msg"].removeprefix("Value error, ")
-            where = f"'{param}'" if param else "request"
-            raise InvalidRequestError(f"Invalid {where}: {msg}", param=param) from None
+            raise invalid_body(e) from None
         chat = isinstance(req, ChatCompletionRequest)
         parser = self._reply_parser
         problem = req.tool_problem(auto_parser=parser is not None and parser.tool_parser is not None) if chat else None
@@ -565,13 +565,7 @@ class Ingress:
             except ValidationError as e:  # tools ours took and vLLM's request model did not
                 first = e.errors()[0]
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
-        unsupported = req.unsupported_field()
-        if unsupported is not None:
-            name, accepted = unsupported
-            raise InvalidRequestError(
-                f"'{name}' is not supported by this server: leave it out or send {accepted}.",
-                param=name,
-            )
+        refuse_unsupported(req)
         if req.model != self._config.model.id:
             raise NotFoundError(
                 f"The model '{req.model}' does not exist; this server serves "
@@ -1071,8 +1065,8 @@ class Ingress:
                 if grant is not None:  # it generated nothing
                     self._refund(grant, grant.tokens)
                 err = to_api_error(e)
-                if responding is not None:
-                    err.param = responses.responses_param(err.param)
+                if schema is ResponsesRequest:
+                    err = responses.responses_error(err)
                 span.set_attribute("http.status_code", err.status_code)
                 self._m.requests.inc(tags={"endpoint": endpoint, "status": str(err.status_code)})
                 return error_response(err)
@@ -1261,8 +1255,8 @@ class Ingress:
     ) -> AsyncIterator[Optional[dict]]:
         """The chat (or completions) stream's chunks, then None where ``[DONE]`` goes; an
         error event's body in place of the rest when the request fails mid-way.
-        ``on_end``: awaited once every choice has ended, before the usage chunk (a
-        Responses request's store); its error is the stream's."""
+        ``on_end``: awaited with the usage once every choice has ended, before the usage
+        chunk (a Responses request's store); its error is the stream's."""
         chat = isinstance(req, ChatCompletionRequest)
         chunk_id = new_id("chatcmpl" if chat else "cmpl")
         created = now()
@@ -1419,10 +1413,11 @@ class Ingress:
                         yield c
                     if item.finish_reason is not None:
                         open_choices -= 1
+            usage = self._usage(calls, req) if on_end is not None or include_usage else None
             if on_end is not None:
-                await on_end()
+                await on_end(usage)
             if include_usage:
-                yield {**base, "choices": [], "usage": self._usage(calls, req)}
+                yield {**base, "choices": [], "usage": usage}
         except Exception as e:  # noqa: BLE001 - the stream ends with an error event
             await self._stop(tasks, streams)
             err = to_api_error(e)
@@ -1469,14 +1464,12 @@ class Ingress:
             with self._tracer.start_as_current_span("responses.read_previous"):
                 try:
                     record = await sessions.get_response(rreq.previous_response_id)
-                except NotFoundError:
-                    self._m.responses.inc(tags={"op": "read", "result": "not_found"})
-                    raise NotFoundError(
-                        f"Previous response with id '{rreq.previous_response_id}' not found.",
-                        param="previous_response_id", code="previous_response_not_found",
-                    ) from None
-                except Exception:
-                    self._m.responses.inc(tags={"op": "read", "result": "failed"})
+                except Exception as e:
+                    if self._count_store_error("read", to_api_error(e)) == "not_found":
+                        raise NotFoundError(
+                            f"Previous response with id '{rreq.previous_response_id}' not found.",
+                            param="previous_response_id", code="previous_response_not_found",
+                        ) from None
                     raise
             self._m.responses.inc(tags={"op": "read", "result": "ok"})
             if rreq.store:
@@ -1485,22 +1478,23 @@ class Ingress:
                 check_writable(record)
             history = responses.history_messages(record.messages)
         new_messages = responses.input_messages(rreq)
-        try:
-            req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages))
-        except APIError as e:
-            param = responses.responses_param(e.param)
-            if param != e.param:
-                e.message = e.message.replace(f"'{e.param}'", f"'{param}'")
-                e.param = param
-            # The chat API's form of a named tool, where its hints name one.
-            e.message = e.message.replace("{'type': 'function', 'function': {'name': ...}}",
-                                          "{'type': 'function', 'name': ...}")
-            raise
+        # (Its errors name chat fields: _serve names the Responses ones, responses_error.)
+        req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages))
         req.history = responses.instruction_messages(rreq) + history
         if rreq.store and sessions is None:
             rreq.store = False  # what the response object says: nothing here stores it
         store = sessions if rreq.store else None
         return req, _Responding(rreq, responses.new_response_id(), history, new_messages, store)
+
+    def _count_store_error(self, op: str, err: APIError) -> Optional[str]:
+        """Count a stored response's read or delete that did not succeed, as not_found or
+        failed (the store's fault, 5xx), and return which; a bad id or key is the
+        client's and not counted (None)."""
+        if err.status_code != 404 and err.status_code < 500:
+            return None
+        result = "not_found" if err.status_code == 404 else "failed"
+        self._m.responses.inc(tags={"op": op, "result": result})
+        return result
 
     async def _store_response(self, responding: _Responding, response: dict, call: "_Call") -> None:
         """Store ``response`` with its conversation (the previous response's, this
@@ -1546,12 +1540,12 @@ class Ingress:
         events = responses.StreamEvents(responding.req, responding.response_id)
         done: list[dict] = []
 
-        async def on_end() -> None:
+        async def on_end(usage: dict) -> None:
             status = "incomplete" if events.finish_reason == "length" else "completed"
             done.extend(events.end(status))
             response = responses.response_object(
                 responding.req, responding.response_id, events.created_at, status=status,
-                output=events.output, usage_=responses.usage(self._usage(calls, req)),
+                output=events.output, usage_=responses.usage(usage),
             )
             await self._store_response(responding, response, calls[0])
             done.extend(events.final(response))
@@ -1592,7 +1586,7 @@ class IngressDeployment(Ingress, GrpcIngress):
     @fastapi_app.get("/v1/responses/{response_id:path}")
     async def get_response(self, response_id: str, request: Request) -> Response:
         try:
-            record = await self._stored_responses(request).get_response(response_id)
+            record = await self._require_sessions(request, NO_STORED_RESPONSES).get_response(response_id)
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e)
             self._count_store_error("read", err)
@@ -1603,26 +1597,13 @@ class IngressDeployment(Ingress, GrpcIngress):
     @fastapi_app.delete("/v1/responses/{response_id:path}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
         try:
-            await self._stored_responses(request).delete_response(response_id)
+            await self._require_sessions(request, NO_STORED_RESPONSES).delete_response(response_id)
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e)
             self._count_store_error("delete", err)
             return error_response(err)
         self._m.responses.inc(tags={"op": "delete", "result": "ok"})
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-    def _count_store_error(self, op: str, err: APIError) -> None:
-        """A stored response's read or delete that did not succeed: not_found, or failed
-        (the store's fault, 5xx); a bad id or key is the client's and not counted here."""
-        if err.status_code == 404 or err.status_code >= 500:
-            self._m.responses.inc(tags={"op": op, "result": "not_found" if err.status_code == 404 else "failed"})
-
-    def _stored_responses(self, request: Request) -> SessionClient:
-        sessions = self._sessions_of(self._authenticate(request))
-        if sessions is None:
-            raise NotFoundError("This server stores no responses (dataplane.enabled is false).",
-                                code="response_not_found")
-        return sessions
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -1658,11 +1639,13 @@ class IngressDeployment(Ingress, GrpcIngress):
             )
         return JSONResponse(self._models()["data"][0])
 
-    def _require_sessions(self, request: Request) -> SessionClient:
-        """The sessions client of ``request``'s tenant (its API key checked first)."""
+    def _require_sessions(self, request: Request, missing: tuple[str, Optional[str]] = NO_SESSIONS) -> SessionClient:
+        """The sessions client of ``request``'s tenant (its API key checked first); a 404
+        of ``missing`` (message, code) while sessions are off (stored responses too)."""
         sessions = self._sessions_of(self._authenticate(request))
         if sessions is None:
-            raise NotFoundError("Sessions are disabled on this server (dataplane.enabled).")
+            message, code = missing
+            raise NotFoundError(message, code=code)
         return sessions
 
     @fastapi_app.post("/v1/sessions")

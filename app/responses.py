@@ -29,8 +29,10 @@ from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.errors import InvalidRequestError
-from app.schemas import MAX_TOOLS, _empty, _false, _one_of, _unset, now
+from app.errors import APIError, InvalidRequestError
+from app.schemas import (
+    MAX_TOOLS, _empty, _false, _one_of, _unset, invalid_body, now, refuse_unsupported, unsupported_in,
+)
 
 RESPONSE_ID_RE = re.compile(r"^resp_[0-9a-f]{32}$")
 # The stored response object rides on the conversation's last message (the reply) under
@@ -115,11 +117,7 @@ class ResponsesRequest(BaseModel):
     }
 
     def unsupported_field(self) -> Optional[tuple[str, str]]:
-        extra = self.model_extra or {}
-        for name, (neutral, accepted) in self._UNSUPPORTED.items():
-            if name in extra and not neutral(extra[name]):
-                return name, accepted
-        return None
+        return unsupported_in(self.model_extra, self._UNSUPPORTED)
 
 
 def parse_request(body: dict) -> ResponsesRequest:
@@ -127,18 +125,8 @@ def parse_request(body: dict) -> ResponsesRequest:
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        # The field itself (a union's errors name the branch tried: "input.str").
-        param = str(first["loc"][0]) if first["loc"] else None
-        msg = first["msg"].removeprefix("Value error, ")
-        raise InvalidRequestError(f"Invalid '{param}': {msg}" if param else f"Invalid request: {msg}",
-                                  param=param) from None
-    unsupported = req.unsupported_field()
-    if unsupported is not None:
-        name, accepted = unsupported
-        raise InvalidRequestError(
-            f"'{name}' is not supported by this server: leave it out or send {accepted}.", param=name
-        )
+        raise invalid_body(e, field_only=True) from None
+    refuse_unsupported(req)
     if req.previous_response_id is not None:
         check_response_id(req.previous_response_id, "previous_response_id")
     return req
@@ -312,6 +300,19 @@ def responses_param(param: Optional[str]) -> Optional[str]:
         return param
     head = param.split(".")[0].split("[")[0]
     return _CHAT_PARAMS.get(head, param)
+
+
+def responses_error(err: APIError) -> APIError:
+    """``err`` (of the chat request that serves a Responses request, or of the Responses
+    request itself) naming the Responses fields: its param, the field in its message,
+    and the Responses form of a named tool where a hint shows one."""
+    param = responses_param(err.param)
+    if param != err.param:
+        err.message = err.message.replace(f"'{err.param}'", f"'{param}'")
+        err.param = param
+    err.message = err.message.replace("{'type': 'function', 'function': {'name': ...}}",
+                                      "{'type': 'function', 'name': ...}")
+    return err
 
 
 def history_messages(stored: list[dict]) -> list[dict]:

@@ -15,8 +15,9 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from app.errors import InvalidRequestError
 from deployments.compute.engines.protocol import MAX_LOGPROBS
 
 # OpenAI's limit on the entries of logit_bias.
@@ -175,17 +176,47 @@ class _Request(BaseModel):
         ignored the way unknown fields are: the client would get an answer it did not ask
         for (logprobs null, free text instead of JSON, unpenalised tokens) with a 200.
         Neutral values (the defaults clients often send explicitly) pass."""
-        extra = self.model_extra or {}
-        for table in (_UNSUPPORTED_ANY, self._UNSUPPORTED):
-            for name, (neutral, accepted) in table.items():
-                if name in extra and not neutral(extra[name]):
-                    return name, accepted
-        return None
+        return unsupported_in(self.model_extra, _UNSUPPORTED_ANY, self._UNSUPPORTED)
 
     _UNSUPPORTED: ClassVar[dict] = {}
 
     def requested_logprobs(self) -> Optional[int]:
         return None
+
+
+def unsupported_in(extra: Optional[dict], *tables: dict) -> Optional[tuple[str, str]]:
+    """The first of ``extra``'s fields (a request's unknown ones) that ``tables`` (name ->
+    (is the value neutral, what is accepted)) list with a value that is not neutral, as
+    ``(name, what is accepted)``; None when there is none."""
+    extra = extra or {}
+    for table in tables:
+        for name, (neutral, accepted) in table.items():
+            if name in extra and not neutral(extra[name]):
+                return name, accepted
+    return None
+
+
+def invalid_body(e: ValidationError, *, field_only: bool = False) -> InvalidRequestError:
+    """The 400 of a body its schema refused: the first error, naming its field by its
+    path (``field_only``: the top-level field alone, where a union's errors would name
+    the branch tried, "input.str")."""
+    first = e.errors()[0]
+    loc = first["loc"][:1] if field_only else first["loc"]
+    param = ".".join(str(p) for p in loc) or None
+    msg = first["msg"].removeprefix("Value error, ")
+    where = f"'{param}'" if param else "request"
+    return InvalidRequestError(f"Invalid {where}: {msg}", param=param)
+
+
+def refuse_unsupported(req) -> None:
+    """A 400 naming the first field ``req`` sets that would change the answer and is not
+    served (its ``unsupported_field``)."""
+    unsupported = req.unsupported_field()
+    if unsupported is not None:
+        name, accepted = unsupported
+        raise InvalidRequestError(
+            f"'{name}' is not supported by this server: leave it out or send {accepted}.", param=name
+        )
 
 
 def schema_text(schema) -> str:

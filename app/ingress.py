@@ -268,13 +268,15 @@ class _Metrics:
 @dataclasses.dataclass(slots=True)
 class _Responding:
     """A Responses request on its way (app/responses.py): the request as sent, its id,
-    the stored conversation it continues and its own input as chat messages, and the
-    tenant's store (None: this response is not stored)."""
+    the stored conversation it continues (as its record will hold it), its own input as
+    chat messages and as input items, and the tenant's store (None: this response is
+    not stored)."""
 
     req: ResponsesRequest
     response_id: str
     history: list[dict]
     new_messages: list[dict]
+    input_items: list[dict]
     store: Optional[SessionClient]
 
 
@@ -1476,15 +1478,18 @@ class Ingress:
                 # Read while its store refuses writes: so would this response's store be,
                 # after its reply was generated; refused now, as a session turn is.
                 check_writable(record)
-            history = responses.history_messages(record.messages)
+            history = record.messages
         new_messages = responses.input_messages(rreq)
         # (Its errors name chat fields: _serve names the Responses ones, responses_error.)
         req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages))
-        req.history = responses.instruction_messages(rreq) + history
+        req.history = responses.instruction_messages(rreq) + responses.history_messages(history)
         if rreq.store and sessions is None:
             rreq.store = False  # what the response object says: nothing here stores it
         store = sessions if rreq.store else None
-        return req, _Responding(rreq, responses.new_response_id(), history, new_messages, store)
+        return req, _Responding(
+            rreq, responses.new_response_id(), responses.carried_history(history), new_messages,
+            responses.input_items(rreq), store,
+        )
 
     def _count_store_error(self, op: str, err: APIError) -> Optional[str]:
         """Count a stored response's read or delete that did not succeed, as not_found or
@@ -1504,6 +1509,7 @@ class Ingress:
         ids = reply_token_ids(call.output_ids, call.finish_reason, self._special_ids)
         reply = responses.reply_message(response["output"], ids, TOKEN_IDS_KEY)
         reply[responses.RESPONSE_KEY] = response
+        reply[responses.INPUT_ITEMS_KEY] = responding.input_items
         messages = responding.history + responding.new_messages + [reply]
         with self._tracer.start_as_current_span(
             "responses.store", attributes={"llm.response_id": responding.response_id, "llm.messages": len(messages)}
@@ -1583,16 +1589,36 @@ class IngressDeployment(Ingress, GrpcIngress):
     async def create_response(self, request: Request) -> Response:
         return await self._serve("responses", request, ResponsesRequest)
 
+    # Before the route below, whose path parameter would take "{id}/input_items" whole.
+    @fastapi_app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request) -> Response:
+        """The items a stored response was generated from (OpenAI's list, paged)."""
+        try:
+            record = await self._read_stored_response(request, response_id)
+            page = responses.items_page(responses.conversation_items(record.messages),
+                                        request.query_params.multi_items())
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(page)
+
     @fastapi_app.get("/v1/responses/{response_id:path}")
     async def get_response(self, response_id: str, request: Request) -> Response:
+        try:
+            record = await self._read_stored_response(request, response_id)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse(record.messages[-1][responses.RESPONSE_KEY])
+
+    async def _read_stored_response(self, request: Request, response_id: str):
+        """A stored response's record, its read counted; or the error to answer."""
         try:
             record = await self._require_sessions(request, NO_STORED_RESPONSES).get_response(response_id)
         except Exception as e:  # noqa: BLE001
             err = to_api_error(e)
             self._count_store_error("read", err)
-            return error_response(err)
+            raise err from None
         self._m.responses.inc(tags={"op": "read", "result": "ok"})
-        return JSONResponse(record.messages[-1][responses.RESPONSE_KEY])
+        return record
 
     @fastapi_app.delete("/v1/responses/{response_id:path}")
     async def delete_response(self, response_id: str, request: Request) -> Response:

@@ -38,6 +38,20 @@ RESPONSE_ID_RE = re.compile(r"^resp_[0-9a-f]{32}$")
 # The stored response object rides on the conversation's last message (the reply) under
 # this key, never sent to a chat template (``history_messages`` drops it).
 RESPONSE_KEY = "_response"
+# The request's own input items (``input_items``), stored beside it on the reply, as
+# ``GET /v1/responses/{id}/input_items`` lists them; a continuation's record keeps them
+# on each earlier reply, with that reply's output items (not its whole response object).
+INPUT_ITEMS_KEY, OUTPUT_ITEMS_KEY = "_input_items", "_output_items"
+_STORED_ONLY = (RESPONSE_KEY, INPUT_ITEMS_KEY, OUTPUT_ITEMS_KEY)
+# GET .../input_items: OpenAI's page sizes, and the includes it takes. None of those adds
+# anything to the items listed here (text messages and function calls), so each is
+# accepted as asked and changes nothing.
+MAX_ITEMS_PAGE, DEFAULT_ITEMS_PAGE = 100, 20
+_ITEM_INCLUDES = frozenset({
+    "message.input_image.image_url", "computer_call_output.output.image_url", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", "message.output_text.logprobs",
+})
 # OpenAI's limits on metadata.
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -317,8 +331,115 @@ def responses_error(err: APIError) -> APIError:
 
 def history_messages(stored: list[dict]) -> list[dict]:
     """A stored conversation's messages as the next prompt takes them (the response
-    object each reply carries left out)."""
-    return [{k: v for k, v in m.items() if k != RESPONSE_KEY} for m in stored]
+    object and items each reply carries left out)."""
+    return [{k: v for k, v in m.items() if k not in _STORED_ONLY} for m in stored]
+
+
+def carried_history(stored: list[dict]) -> list[dict]:
+    """A stored conversation as a continuation's record holds it in front of its own
+    input: the reply that carries its response object keeps that response's output
+    items alone (``conversation_items`` lists them)."""
+    out = []
+    for m in stored:
+        if RESPONSE_KEY in m:
+            response = m[RESPONSE_KEY]
+            m = {k: v for k, v in m.items() if k != RESPONSE_KEY}
+            m[OUTPUT_ITEMS_KEY] = response["output"]
+        out.append(m)
+    return out
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as the items ``GET /v1/responses/{id}/input_items`` lists,
+    each with an id of its own: messages (a user, system or developer message with
+    ``input_text``, an assistant one with ``output_text``), function calls and their
+    outputs. Reasoning items are left out: the prompt did not take them. Called after
+    ``input_messages`` accepted the input."""
+    if isinstance(req.input, str):
+        return [_input_message_item("user", req.input)]
+    items = []
+    for item in req.input:
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            text = _item_text(item.get("content"), "input")
+            role = item["role"]
+            items.append(message_item(text) if role == "assistant" else _input_message_item(role, text))
+        elif kind == "function_call":
+            items.append(call_item(item["call_id"], item["name"], item["arguments"]))
+        elif kind == "function_call_output":
+            items.append({"id": _item_id("fco"), "type": "function_call_output", "status": "completed",
+                          "call_id": item["call_id"], "output": _item_text(item.get("output"), "input")})
+    return items
+
+
+def _input_message_item(role: str, text: str) -> dict:
+    return {"id": _item_id("msg"), "type": "message", "status": "completed", "role": role,
+            "content": [{"type": "input_text", "text": text}]}
+
+
+def conversation_items(stored: list[dict]) -> list[dict]:
+    """The items a stored response was generated from, oldest first: each response it
+    continues, its input items then its output; then the response's own input items.
+    (Instructions are not items, and are not carried over.)"""
+    items: list[dict] = []
+    for m in stored:
+        items += m.get(INPUT_ITEMS_KEY, [])
+        items += m.get(OUTPUT_ITEMS_KEY, [])  # an earlier response's (its own is not input)
+    return items
+
+
+def items_page(items: list[dict], query: list[tuple[str, str]]) -> dict:
+    """A page of ``items`` (oldest first) for the query (its pairs) of ``GET
+    /v1/responses/{id}/input_items``: ``order`` (``desc``, the default, newest first, or
+    ``asc``), ``after`` or ``before`` (an item's id: the page starts after it, or ends
+    before it, in that order), ``limit`` (1-100, default 20) and ``include`` (accepted,
+    adds nothing here); a 400 naming the parameter that is wrong."""
+    params: dict[str, list[str]] = {}
+    for name, value in query:
+        params.setdefault(name.removesuffix("[]") if name == "include[]" else name, []).append(value)
+    for name, values in params.items():  # others are ignored, as unknown body fields are
+        if name in ("order", "after", "before", "limit") and len(values) > 1:
+            raise InvalidRequestError(f"'{name}' is given {len(values)} times; give it once.", param=name)
+    order = params.get("order", ["desc"])[0]
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError(f"Invalid 'order': {order[:40]!r}; expected 'asc' or 'desc'.", param="order")
+    raw = params.get("limit", [str(DEFAULT_ITEMS_PAGE)])[0]
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 3 and 1 <= int(raw) <= MAX_ITEMS_PAGE):
+        raise InvalidRequestError(f"Invalid 'limit': {raw[:40]!r}; expected an integer from 1 to {MAX_ITEMS_PAGE}.",
+                                  param="limit")
+    limit = int(raw)
+    for value in params.get("include", []):
+        if value not in _ITEM_INCLUDES:
+            raise InvalidRequestError(f"Invalid 'include': {value[:80]!r} is not an includable field.",
+                                      param="include")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+
+    def cursor(name: str) -> Optional[int]:
+        value = params.get(name, [None])[0]
+        if value is None:
+            return None
+        if value not in ids:
+            raise InvalidRequestError(f"Invalid '{name}': no input item {value[:80]!r} in this response.",
+                                      param=name)
+        return ids.index(value)
+
+    after, before = cursor("after"), cursor("before")
+    if after is not None and before is not None:
+        raise InvalidRequestError("Give 'after' or 'before', not both.", param="before")
+    if before is not None:
+        start = max(0, before - limit)
+        page, more = ordered[start:before], start > 0
+    else:
+        start = 0 if after is None else after + 1
+        page, more = ordered[start : start + limit], start + limit < len(ordered)
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": more,
+    }
 
 
 def instruction_messages(req: ResponsesRequest) -> list[dict]:

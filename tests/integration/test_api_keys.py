@@ -142,9 +142,9 @@ def test_a_tenant_neither_reads_nor_continues_another_tenants_response(keyed_app
     mine = acme.responses.create(model="tiny-llama", input="acme's secret plan", max_output_tokens=4)
     absent = "resp_" + "f" * 32
     with httpx.Client(base_url=base, timeout=60) as http:
-        for method in ("GET", "DELETE"):
-            theirs = http.request(method, f"/v1/responses/{mine.id}", headers=auth["globex"])
-            nobody = http.request(method, f"/v1/responses/{absent}", headers=auth["globex"])
+        for method, tail in (("GET", ""), ("DELETE", ""), ("GET", "/input_items")):
+            theirs = http.request(method, f"/v1/responses/{mine.id}{tail}", headers=auth["globex"])
+            nobody = http.request(method, f"/v1/responses/{absent}{tail}", headers=auth["globex"])
             # The same answer as for a response that does not exist (only the id differs).
             assert theirs.status_code == nobody.status_code == 404
             assert theirs.json()["error"]["message"].replace(mine.id, absent) == nobody.json()["error"]["message"]
@@ -153,6 +153,8 @@ def test_a_tenant_neither_reads_nor_continues_another_tenants_response(keyed_app
                                     max_output_tokens=2)
         kept = http.get(f"/v1/responses/{mine.id}", headers=auth["acme"])
         assert kept.status_code == 200 and kept.json()["id"] == mine.id
+        items = http.get(f"/v1/responses/{mine.id}/input_items", headers=auth["acme"])
+        assert items.status_code == 200 and items.json()["data"][0]["content"][0]["text"] == "acme's secret plan"
     assert acme.responses.create(model="tiny-llama", input="go on", previous_response_id=mine.id,
                                  max_output_tokens=2).previous_response_id == mine.id
 

@@ -153,6 +153,42 @@ def test_one_response_continued_twice_gives_two_independent_branches(served_app)
     assert again.output_text == a.output_text and again.usage.input_tokens == a.usage.input_tokens
 
 
+def test_input_items_list_what_each_response_was_generated_from(served_app):
+    """GET /v1/responses/{id}/input_items through the openai client: a continuation's
+    items are the earlier input and output, then its own input, with stable ids that
+    page; another tenant's, a deleted or an absent response is a 404."""
+    client = served_app.client()
+    first = client.responses.create(model=served_app.model_id, input="the first question", temperature=0,
+                                    max_output_tokens=6, instructions="not an item")
+    second = client.responses.create(
+        model=served_app.model_id, previous_response_id=first.id, temperature=0, max_output_tokens=6,
+        input=[{"role": "developer", "content": "answer briefly"},
+               {"role": "user", "content": [{"type": "input_text", "text": "and "}, {"type": "input_text", "text": "then?"}]}],
+    )
+    [only] = client.responses.input_items.list(first.id).data
+    assert (only.type, only.role, only.content[0].text) == ("message", "user", "the first question")
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"),
+                                                 ("message", "developer"), ("message", "user")]
+    assert items[0].id == only.id  # the first response's input, as listed there
+    assert items[1].model_dump(mode="json", exclude_unset=True) == first.output[0].model_dump(mode="json", exclude_unset=True)
+    assert [i.content[0].text for i in items[2:]] == ["answer briefly", "and then?"]
+    # Newest first by default; pages of one, following "after" (the client's auto-paging).
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert [i.id for i in newest.data] == [items[-1].id] and newest.has_more
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=1)] == [i.id for i in items[::-1]]
+    url = f"{served_app.base_url}/v1/responses/{second.id}/input_items"
+    for query, param in (({"limit": 0}, "limit"), ({"order": "sideways"}, "order"), ({"after": "msg_x"}, "after")):
+        r = httpx.get(url, params=query, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(f"{served_app.base_url}/v1/responses/nope/input_items", timeout=30).status_code == 400
+    assert httpx.get(f"{served_app.base_url}/v1/responses/resp_{'e' * 32}/input_items", timeout=30).status_code == 404
+    client.responses.delete(first.id)
+    r = httpx.get(f"{served_app.base_url}/v1/responses/{first.id}/input_items", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+    assert len(client.responses.input_items.list(second.id).data) == 4  # a record of its own
+
+
 def test_store_false_and_delete_leave_nothing_to_read_or_continue(served_app):
     client = served_app.client()
     unstored = create(served_app, input="not kept", store=False, max_output_tokens=4)

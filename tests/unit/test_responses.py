@@ -194,6 +194,93 @@ def test_the_stored_reply_keeps_its_ids_and_calls_and_history_drops_the_object()
     assert responses.history_messages([reply]) == [{k: v for k, v in reply.items() if k != responses.RESPONSE_KEY}]
 
 
+
+def test_input_items_keep_the_input_as_items_with_ids_of_their_own():
+    r = req(input=[
+        {"role": "developer", "content": "be brief"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "text", "text": "b"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "one"}]},
+        {"role": "assistant", "content": "done"},
+    ])
+    items = responses.input_items(r)
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output", "message"]
+    assert len({i["id"] for i in items}) == 5 and all(i["status"] == "completed" for i in items)
+    assert items[0]["role"] == "developer" and items[0]["content"] == [{"type": "input_text", "text": "be brief"}]
+    assert items[1]["content"] == [{"type": "input_text", "text": "ab"}]
+    assert (items[2]["call_id"], items[2]["name"], items[2]["arguments"]) == ("c1", "f", '{"x": 1}')
+    assert (items[3]["call_id"], items[3]["output"]) == ("c1", "one")
+    assert items[4]["role"] == "assistant" and items[4]["content"][0]["type"] == "output_text"
+    [only] = responses.input_items(req(input="hello"))
+    assert only["role"] == "user" and only["content"] == [{"type": "input_text", "text": "hello"}]
+
+
+def stored_turn(history: list[dict], text: str, answer: str) -> list[dict]:
+    """The record a response to ``text`` (on the stored ``history``) is stored as."""
+    r = req(input=text)
+    reply = responses.reply_message([responses.message_item(answer)], [7], TOKEN_IDS_KEY)
+    reply[responses.RESPONSE_KEY] = {"id": responses.new_response_id(), "output": [responses.message_item(answer)]}
+    reply[responses.INPUT_ITEMS_KEY] = responses.input_items(r)
+    return responses.carried_history(history) + responses.input_messages(r) + [reply]
+
+
+def test_a_continuations_items_are_the_chain_s_inputs_and_outputs_then_its_own_input():
+    first = stored_turn([], "one", "uno")
+    second = stored_turn(first, "two", "dos")
+    third = stored_turn(second, "three", "tres")
+    texts = [i["content"][0]["text"] for i in responses.conversation_items(third)]
+    assert texts == ["one", "uno", "two", "dos", "three"]
+    assert [i["role"] for i in responses.conversation_items(third)] == ["user", "assistant"] * 2 + ["user"]
+    # Only the last reply carries its whole response object; the prompt sees none of it.
+    assert [responses.RESPONSE_KEY in m for m in third if m["role"] == "assistant"] == [False, False, True]
+    for m in responses.history_messages(third):
+        assert set(m) <= {"role", "content", TOKEN_IDS_KEY}, m
+
+
+def test_items_pages_follow_order_limit_and_the_cursors():
+    items = [{"id": f"msg_{i}"} for i in range(5)]
+
+    def ids(**query):
+        page = responses.items_page(items, [(k, str(v)) for k, v in query.items()])
+        return [i["id"] for i in page["data"]], page["has_more"], page["first_id"], page["last_id"]
+
+    assert ids() == (["msg_4", "msg_3", "msg_2", "msg_1", "msg_0"], False, "msg_4", "msg_0")
+    assert ids(order="asc", limit=2) == (["msg_0", "msg_1"], True, "msg_0", "msg_1")
+    assert ids(order="asc", limit=2, after="msg_1") == (["msg_2", "msg_3"], True, "msg_2", "msg_3")
+    assert ids(order="asc", limit=2, after="msg_3") == (["msg_4"], False, "msg_4", "msg_4")
+    assert ids(order="asc", limit=2, after="msg_2") == (["msg_3", "msg_4"], False, "msg_3", "msg_4")  # the last page
+    assert ids(limit=5)[1] is False
+    assert ids(order="asc", after="msg_4") == ([], False, None, None)
+    assert ids(limit=2, after="msg_4") == (["msg_3", "msg_2"], True, "msg_3", "msg_2")
+    assert ids(order="asc", limit=2, before="msg_4") == (["msg_2", "msg_3"], True, "msg_2", "msg_3")
+    assert ids(order="asc", limit=3, before="msg_2") == (["msg_0", "msg_1"], False, "msg_0", "msg_1")
+    assert ids(limit=100, include="message.input_image.image_url", unknown="x")[0][0] == "msg_4"
+    # Twenty by default.
+    many = [{"id": f"m{i}"} for i in range(25)]
+    page = responses.items_page(many, [])
+    assert len(page["data"]) == 20 and page["has_more"] and page["first_id"] == "m24"
+
+
+@pytest.mark.parametrize("query,param", [
+    ([("order", "up")], "order"),
+    ([("limit", "0")], "limit"),
+    ([("limit", "101")], "limit"),
+    ([("limit", "2.5")], "limit"),
+    ([("limit", "9" * 5000)], "limit"),
+    ([("limit", "1"), ("limit", "2")], "limit"),
+    ([("after", "msg_9")], "after"),
+    ([("before", "msg_9")], "before"),
+    ([("after", "msg_0"), ("before", "msg_1")], "before"),
+    ([("include", "message.secret")], "include"),
+])
+def test_a_bad_items_query_is_a_400_naming_its_parameter(query, param):
+    with pytest.raises(InvalidRequestError) as e:
+        responses.items_page([{"id": "msg_0"}, {"id": "msg_1"}], query)
+    assert e.value.param == param and e.value.status_code == 400
+
+
 class FailingStore:
     def __init__(self, error=None):
         self.error, self.stored = error, []
@@ -220,7 +307,7 @@ async def run_stream(ing, store, stream, first):
     call = _Call("responses", "r1", 3)
     call.output_ids = []
     call.on_delta(first)
-    responding = _Responding(r, "resp_" + "1" * 32, [], responses.input_messages(r), store)
+    responding = _Responding(r, "resp_" + "1" * 32, [], responses.input_messages(r), responses.input_items(r), store)
     out = []
     async for raw in ing._responses_stream(responding, chat, [call], [first], [stream]):
         kind, data = raw.decode().strip().split("\n")

@@ -48,7 +48,16 @@ from app.metrics_export import collect_cluster_metrics
 from app.rate_limits import Grant, RateLimiter
 from app.reply_parser import Parsed, ReplyParser
 from app.responses import ResponsesRequest
-from app.schemas import ChatCompletionRequest, CompletionRequest, invalid_body, new_id, now, refuse_unsupported
+from app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    invalid_body,
+    new_id,
+    now,
+    refuse_unsupported,
+)
 from app.sessions import (
     TOKEN_IDS_KEY,
     PendingTurn,
@@ -174,6 +183,16 @@ NO_STORED_RESPONSES = ("This server stores no responses (dataplane.enabled is fa
 
 # At most one log line about refused API keys this often (the metric counts each).
 AUTH_LOG_INTERVAL_S = 10.0
+
+
+def template_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[dict]]:
+    """The request's messages in the form chat templates take them (text content), and
+    apart each one's tool fields (an assistant's calls, a tool message's call id); a 400
+    naming ``messages`` for content that is not text."""
+    try:
+        return [{"role": m.role, "content": m.text()} for m in req.messages], [m.tool_fields() for m in req.messages]
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="messages") from None
 
 
 def _refuse_session(request: Request, req: CompletionRequest) -> None:
@@ -568,19 +587,21 @@ class Ingress:
                 first = e.errors()[0]
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
         refuse_unsupported(req)
-        if req.model != self._config.model.id:
-            raise NotFoundError(
-                f"The model '{req.model}' does not exist; this server serves "
-                f"'{self._config.model.id}'.",
-                param="model",
-                code="model_not_found",
-            )
+        self._check_model(req.model)
         if len(req.stop) > self._config.limits.max_stop_sequences:
             raise InvalidRequestError(
                 f"At most {self._config.limits.max_stop_sequences} stop sequences are allowed.",
                 param="stop",
             )
         return req
+
+    def _check_model(self, model: str) -> None:
+        if model != self._config.model.id:
+            raise NotFoundError(
+                f"The model '{model}' does not exist; this server serves '{self._config.model.id}'.",
+                param="model",
+                code="model_not_found",
+            )
 
     def _max_tokens(self, req, num_prompt: int) -> int:
         """The request's ``max_tokens``, or the default that the context leaves room for;
@@ -662,8 +683,18 @@ class Ingress:
                            self._reply_parser.tool_parser, self._reply_parser.reasoning_parser, exc_info=True)
 
     def _chat_prompt_ids(
-        self, messages: list[dict], tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None
+        self,
+        messages: list[dict],
+        tools: Optional[list[dict]] = None,
+        template_kwargs: Optional[dict] = None,
+        *,
+        generation_prompt: bool = True,
+        continue_final: bool = False,
+        special_tokens: bool = False,
     ) -> list[int]:
+        """The prompt ids of chat ``messages``, rendered by the model's template (as
+        vLLM renders them: text, then tokenized without special tokens by default); a
+        400 when the template refuses them. The keywords are /tokenize's."""
         if not self._tokenizer.chat_template:
             # A base model's checkpoint: transformers has no default template to fall back on.
             raise InvalidRequestError(
@@ -675,7 +706,8 @@ class Ingress:
             if any(TOKEN_IDS_KEY in m for m in messages):
                 return exact_prompt_ids(self._tokenizer, messages, tools, template_kwargs)
             text = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+                messages, tools=tools, add_generation_prompt=generation_prompt, continue_final_message=continue_final,
+                tokenize=False, **(template_kwargs or {}),
             )
         except jinja2.TemplateError as e:
             # The template's own refusal (its raise_exception: roles that do not alternate,
@@ -693,7 +725,7 @@ class Ingress:
                 raise
             raise InvalidRequestError(f"The chat template cannot render these tools or tool calls: {e}",
                                       param="messages") from None
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens)
 
     def _start_session_read(self, schema, request: Request, sessions: Optional[SessionClient]) -> Optional[asyncio.Task]:
         """The read of the session a chat request names in its ``X-Session-Id`` header,
@@ -747,12 +779,7 @@ class Ingress:
         read compared with it) gates the worker call in the router, so the read overlaps
         the prompt's build, the router and the KV lookup's start. Once the read shows a
         newer record, the prompt is built again from it (see ``_serve``)."""
-        try:
-            new_messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            # The calls an assistant made and the answers to them, as templates take them.
-            tool_fields = [m.tool_fields() for m in req.messages]
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="messages") from None
+        new_messages, tool_fields = template_messages(req)
         session_id = _named_session(request, req)
         if session_id is None:
             for message, fields in zip(new_messages, tool_fields):
@@ -1491,6 +1518,74 @@ class Ingress:
             responses.input_items(rreq), store,
         )
 
+    # ---- /tokenize and /detokenize (vLLM's) ------------------------------------------------
+
+    async def _tokenizer_endpoint(self, endpoint: str, request: Request, work) -> Response:
+        """``work`` (the body → the answer) for /tokenize and /detokenize: the tokenizer's
+        work alone, no worker call. The body is checked as a generation request's is (API
+        key, size, JSON, model), counted in ``llm_requests_total`` and traced."""
+        with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
+            try:
+                self._authenticate(request, span)
+                if request.headers.get("x-session-id") is not None:
+                    raise InvalidRequestError(
+                        "A session's history is not tokenized here: GET /v1/sessions/{id} gives its size "
+                        "in tokens.", param="session_id",
+                    )
+                answer = JSONResponse(work(await self._read_json(request)))
+            except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+                answer = error_response(to_api_error(e))
+            span.set_attribute("http.status_code", answer.status_code)
+            self._m.requests.inc(tags={"endpoint": endpoint, "status": str(answer.status_code)})
+        return answer
+
+    def _tokenizer_body(self, schema, body: dict):
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as e:
+            raise invalid_body(e) from None
+        refuse_unsupported(req)
+        if req.model is not None:  # optional here, as in vLLM's
+            self._check_model(req.model)
+        return req
+
+    def _tokenize(self, body: dict) -> dict:
+        """The prompt ids a completion (``prompt``) or a chat (``messages``) request would
+        have here, as vLLM's /tokenize gives them."""
+        req = self._tokenizer_body(TokenizeRequest, body)
+        req.check_form()
+        if req.prompt is not None:
+            ids = self._tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens())
+        else:
+            # The chat fields checked as a chat request's (roles, content parts, tools,
+            # template variables), and rendered as its prompt is.
+            chat = {"model": self._config.model.id, "messages": req.messages}
+            chat.update({k: v for k, v in (("tools", req.tools), ("chat_template_kwargs", req.chat_template_kwargs)) if v})
+            try:
+                creq = ChatCompletionRequest.model_validate(chat)
+            except ValidationError as e:
+                raise invalid_body(e) from None
+            messages, tool_fields = template_messages(creq)
+            for message, fields in zip(messages, tool_fields):
+                message.update(fields)
+            ids = self._chat_prompt_ids(
+                messages, creq.tools, creq.chat_template_kwargs, generation_prompt=req.add_generation_prompt,
+                continue_final=req.continue_final_message, special_tokens=req.special_tokens(),
+            )
+        strs = self._tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids, "token_strs": strs}
+
+    def _detokenize(self, body: dict) -> dict:
+        req = self._tokenizer_body(DetokenizeRequest, body)
+        vocab = len(self._tokenizer)
+        for i, t in enumerate(req.tokens):
+            if t >= vocab:
+                raise InvalidRequestError(
+                    f"Invalid 'tokens[{i}]': token id {t} is outside this model's vocabulary of {vocab}.",
+                    param="tokens",
+                )
+        return {"prompt": self._tokenizer.decode(req.tokens)}
+
     def _count_store_error(self, op: str, err: APIError) -> Optional[str]:
         """Count a stored response's read or delete that did not succeed, as not_found or
         failed (the store's fault, 5xx), and return which; a bad id or key is the
@@ -1630,6 +1725,14 @@ class IngressDeployment(Ingress, GrpcIngress):
             return error_response(err)
         self._m.responses.inc(tags={"op": "delete", "result": "ok"})
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_endpoint("tokenize", request, self._tokenize)
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_endpoint("detokenize", request, self._detokenize)
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

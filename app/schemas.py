@@ -540,6 +540,74 @@ class CompletionRequest(_Request):
         return self
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt``, tokenized as /v1/completions tokenizes
+    it, or chat ``messages`` (with ``tools`` and ``chat_template_kwargs``), rendered by
+    the model's template as /v1/chat/completions renders them. The chat fields are
+    checked as a chat request's are (the ingress validates them as one)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[str] = Field(default=None, min_length=1)
+    prompt: Optional[str] = None
+    messages: Optional[list] = Field(default=None, min_length=1)
+    tools: Optional[list] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's defaults: the BOS a prompt is tokenized with, and none on top of what a
+    # chat template writes.
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: Optional[bool] = False
+
+    _UNSUPPORTED: ClassVar[dict] = {
+        "chat_template": (_unset, "null (the model's own template)"),
+        "media_io_kwargs": (_empty, "null"),
+        "mm_processor_kwargs": (_empty, "null"),
+        "session_id": (_unset, "null (a session's history is not tokenized here)"),
+    }
+
+    def check_form(self) -> None:
+        """A 400 naming the field for a body that is neither form, or mixes them."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("Give 'prompt' (a text) or 'messages' (a chat), one of them.",
+                                      param="messages" if self.prompt is None else "prompt")
+        if self.prompt is not None:
+            for name in ("tools", "chat_template_kwargs", "continue_final_message"):
+                if getattr(self, name):
+                    raise InvalidRequestError(f"'{name}' applies to 'messages', not to a 'prompt'.", param=name)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "add_generation_prompt and continue_final_message cannot both be true: set "
+                "add_generation_prompt to false to continue the final message.", param="continue_final_message",
+            )
+
+    def unsupported_field(self) -> Optional[tuple[str, str]]:
+        return unsupported_in(self.model_extra, self._UNSUPPORTED)
+
+    def special_tokens(self) -> bool:
+        return (self.prompt is not None) if self.add_special_tokens is None else self.add_special_tokens
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[str] = Field(default=None, min_length=1)
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value):
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    def unsupported_field(self) -> None:
+        return None
+
+
 _Request.model_rebuild()
 
 

@@ -717,6 +717,11 @@ class Ingress:
                 f"The model's chat template rejects these messages: {str(e)[:500]}", param="messages"
             ) from None
         except Exception as e:  # noqa: BLE001 - the tool fields the template was given
+            if continue_final and isinstance(e, ValueError):
+                # transformers' own check: the final message is not where the template
+                # put it, so it cannot be continued.
+                raise InvalidRequestError(f"The final message cannot be continued: {str(e)[:500]}",
+                                          param="continue_final_message") from None
             if template_kwargs:
                 raise InvalidRequestError(f"The chat template cannot render these messages with "
                                           f"chat_template_kwargs: {str(e)[:500]}",
@@ -786,11 +791,21 @@ class Ingress:
                 message.update(fields)
             if req.history:  # a Responses request's (app/responses.py)
                 new_messages = req.history + new_messages
-            return self._chat_prompt_ids(new_messages, req.tools, req.chat_template_kwargs), None, None
+            ids = self._chat_prompt_ids(
+                new_messages, req.tools, req.chat_template_kwargs,
+                generation_prompt=req.add_generation_prompt, continue_final=req.continue_final_message,
+            )
+            return ids, None, None
         if req.tools or any(tool_fields):
             raise InvalidRequestError(
                 "Tools and tool calls are not supported in a session turn yet; send the "
                 "conversation without a session.", param="tools" if req.tools else "messages")
+        if not req.add_generation_prompt or req.continue_final_message:
+            # The turn appended is the new messages and a reply of its own.
+            raise InvalidRequestError(
+                "A session turn ends with the assistant's reply: add_generation_prompt must be true and "
+                "continue_final_message false; send the conversation without a session to continue a message.",
+                param="continue_final_message" if req.continue_final_message else "add_generation_prompt")
         if req.chat_template_kwargs:
             # A session's turns (stored reply ids, KV blocks) were made from the template
             # rendered without them: variables that change it would break that prefix.
@@ -1237,17 +1252,18 @@ class Ingress:
         chat = isinstance(req, ChatCompletionRequest)
         choices = []
         tool_mode = req.tool_call_mode() if chat else None
+        role = req.reply_role() if chat else None
         for i, (c, text) in enumerate(zip(calls, texts)):
             if chat:
-                message = {"role": "assistant", "content": text}
+                message = {"role": role, "content": text}
                 finish = c.finish_reason
                 if tool_mode:
                     content, tool_calls, finish = tool_reply(tool_mode, req.called_function(), text, finish)
-                    message = {"role": "assistant", "content": content}
+                    message = {"role": role, "content": content}
                     if tool_calls:
                         message["tool_calls"] = tool_calls
                 elif req.reply_parsing is not None and (parsed := self._parse_reply(req, text)) is not None:
-                    message = {"role": "assistant", "content": parsed.content}
+                    message = {"role": role, "content": parsed.content}
                     if parsed.reasoning is not None:
                         message["reasoning"] = parsed.reasoning
                     if parsed.tool_calls:
@@ -1297,6 +1313,7 @@ class Ingress:
         }
         include_usage = req.include_usage_in_stream()
         want_logprobs = req.requested_logprobs() is not None
+        reply_role = req.reply_role() if chat else None
         # Per choice: (token id, TokenLogprobs) of tokens whose deltas sent no chunk yet (no
         # text yet: a character split across tokens), and the completions API's text offset.
         carried: list[list] = [[] for _ in calls]
@@ -1311,7 +1328,7 @@ class Ingress:
                 logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index])
                 carried[index] = []
             if chat:
-                delta = {"role": "assistant", "content": text or ""} if role else (
+                delta = {"role": reply_role, "content": text or ""} if role else (
                     {"content": text} if text else {}
                 )
                 if reasoning:

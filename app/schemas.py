@@ -322,6 +322,26 @@ class ChatCompletionRequest(_Request):
     # vLLM's: variables for the model's chat template ({"enable_thinking": false} for
     # Qwen3, say), which the reasoning parser reads too.
     chat_template_kwargs: Optional[dict[str, Any]] = Field(default=None, max_length=32)
+    # vLLM's: false leaves the template's assistant header out; continue_final_message
+    # renders the last message open-ended (no end of turn), so the reply continues it (an
+    # assistant prefill: the reply holds the new text only, as vLLM's does).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generate(cls, value, info):
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true: set "
+                "add_generation_prompt to false to continue the final message"
+            )
+        return value
+
+    def reply_role(self) -> str:
+        """The reply message's role: the assistant's, or without a generation prompt the
+        role of the message it continues (vLLM's)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -494,8 +514,6 @@ class ChatCompletionRequest(_Request):
         "audio": (_unset, "null"),
         "prediction": (_unset, "null"),
         # vLLM's chat extensions that change the prompt or the reply's shape.
-        "add_generation_prompt": (_one_of(True), "true"),
-        "continue_final_message": (_false, "false"),
         "echo": (_false, "false"),
         "chat_template": (_unset, "null (the model's own template)"),
         "documents": (_unset, "null"),

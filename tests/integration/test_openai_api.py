@@ -63,6 +63,40 @@ def test_streamed_text_equals_non_streamed_at_temperature_zero(served_app):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_an_assistant_prefill_is_continued_as_its_prompt_ids_are(served_app):
+    """continue_final_message (vLLM's): the reply continues the final assistant message,
+    exactly as a completion of the ids /tokenize gives for that rendering, and holds the
+    new text only; streamed the same. add_generation_prompt false leaves the assistant's
+    header out, and the reply takes the role of the message it continues. Neither goes
+    in a session turn, which ends with a reply of its own."""
+    client = served_app.client()
+    messages = [{"role": "user", "content": "name three colours"}, {"role": "assistant", "content": "Red, green"}]
+    prefill = dict(add_generation_prompt=False, continue_final_message=True)
+    r = client.chat.completions.create(model=served_app.model_id, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body=prefill)
+    ids = httpx.post(served_app.base_url + "/tokenize", json={"messages": messages, **prefill}, timeout=30).json()
+    plain = client.completions.create(model=served_app.model_id, prompt=ids["tokens"], max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == plain.choices[0].text and r.usage.prompt_tokens == ids["count"]
+    closed = client.chat.completions.create(model=served_app.model_id, messages=messages, max_tokens=8,
+                                            temperature=0)  # a new reply after the finished message
+    assert closed.usage.prompt_tokens > r.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=served_app.model_id, messages=messages, max_tokens=8,
+                                                 temperature=0, stream=True, extra_body=prefill))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content and chunks[0].choices[0].delta.role == "assistant"
+    as_user = client.chat.completions.create(model=served_app.model_id, messages=messages[:1], max_tokens=2,
+                                             temperature=0, extra_body={"add_generation_prompt": False})
+    assert as_user.choices[0].message.role == "user"
+    r = post(served_app, "/v1/chat/completions", chat_body(served_app, continue_final_message=True))
+    assert_openai_error(r, 400, "continue_final_message")
+    sid = httpx.post(served_app.base_url + "/v1/sessions", timeout=30).json()["id"]
+    r = httpx.post(served_app.base_url + "/v1/chat/completions", headers={"X-Session-Id": sid}, timeout=30,
+                   json={**chat_body(served_app, messages=messages), **prefill})
+    assert_openai_error(r, 400, "continue_final_message")
+    assert httpx.get(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).json()["version"] == 0
+
+
 def test_completions_streamed_and_not(served_app):
     client = served_app.client()
     r = client.completions.create(model=served_app.model_id, prompt="Once upon a time", max_tokens=10, temperature=0)

@@ -100,8 +100,6 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
         (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
-        (CHAT_REQ, "continue_final_message", True),
-        (CHAT_REQ, "add_generation_prompt", False),
         (CHAT_REQ, "echo", True),
         (CHAT_REQ, "chat_template", "{{ messages }}"),
     ],
@@ -378,3 +376,18 @@ def test_a_session_delete_reaches_the_l1_of_the_deployment_that_runs_torch_engin
     from app.builder import l1_worker_deployment
 
     assert l1_worker_deployment(AppConfig.model_validate(args)) == expected
+
+
+def test_a_prefill_is_continued_only_without_the_generation_prompt_and_keeps_its_role():
+    """vLLM's continue_final_message and add_generation_prompt: both true is a 400 naming
+    the field; without the generation prompt the reply takes the last message's role."""
+    from app.schemas import invalid_body
+
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT_REQ, "continue_final_message": True})
+    assert invalid_body(e.value).param == "continue_final_message"
+    prefill = {**CHAT_REQ, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]}
+    req = ChatCompletionRequest.model_validate({**prefill, "add_generation_prompt": False, "continue_final_message": True})
+    assert req.reply_role() == "assistant" and req.unsupported_field() is None
+    assert ChatCompletionRequest.model_validate({**CHAT_REQ, "add_generation_prompt": False}).reply_role() == "user"
+    assert ChatCompletionRequest.model_validate(CHAT_REQ).reply_role() == "assistant"

@@ -185,12 +185,12 @@ NO_STORED_RESPONSES = ("This server stores no responses (dataplane.enabled is fa
 AUTH_LOG_INTERVAL_S = 10.0
 
 
-def template_messages(req: ChatCompletionRequest) -> tuple[list[dict], list[dict]]:
-    """The request's messages in the form chat templates take them (text content), and
-    apart each one's tool fields (an assistant's calls, a tool message's call id); a 400
-    naming ``messages`` for content that is not text."""
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages in the form chat templates take them: text content, and the
+    tool fields (an assistant's calls with their arguments as objects, a tool message's
+    call id); a 400 naming ``messages`` for content that is not text."""
     try:
-        return [{"role": m.role, "content": m.text()} for m in req.messages], [m.tool_fields() for m in req.messages]
+        return [{"role": m.role, "content": m.text(), **m.tool_fields()} for m in req.messages]
     except ValueError as e:
         raise InvalidRequestError(str(e), param="messages") from None
 
@@ -784,11 +784,9 @@ class Ingress:
         read compared with it) gates the worker call in the router, so the read overlaps
         the prompt's build, the router and the KV lookup's start. Once the read shows a
         newer record, the prompt is built again from it (see ``_serve``)."""
-        new_messages, tool_fields = template_messages(req)
+        new_messages = template_messages(req)
         session_id = _named_session(request, req)
         if session_id is None:
-            for message, fields in zip(new_messages, tool_fields):
-                message.update(fields)
             if req.history:  # a Responses request's (app/responses.py)
                 new_messages = req.history + new_messages
             ids = self._chat_prompt_ids(
@@ -796,22 +794,12 @@ class Ingress:
                 generation_prompt=req.add_generation_prompt, continue_final=req.continue_final_message,
             )
             return ids, None, None
-        if req.tools or any(tool_fields):
-            raise InvalidRequestError(
-                "Tools and tool calls are not supported in a session turn yet; send the "
-                "conversation without a session.", param="tools" if req.tools else "messages")
         if not req.add_generation_prompt or req.continue_final_message:
             # The turn appended is the new messages and a reply of its own.
             raise InvalidRequestError(
                 "A session turn ends with the assistant's reply: add_generation_prompt must be true and "
                 "continue_final_message false; send the conversation without a session to continue a message.",
                 param="continue_final_message" if req.continue_final_message else "add_generation_prompt")
-        if req.chat_template_kwargs:
-            # A session's turns (stored reply ids, KV blocks) were made from the template
-            # rendered without them: variables that change it would break that prefix.
-            raise InvalidRequestError(
-                "chat_template_kwargs is not supported in a session turn yet; send the "
-                "conversation without a session.", param="chat_template_kwargs")
         if sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):
@@ -852,7 +840,10 @@ class Ingress:
         built: list[list[int]] = []
 
         def count_tokens(msgs: list[dict]) -> int:
-            built.append(self._chat_prompt_ids(msgs))
+            # With this turn's tools and template variables: a turn that changes them
+            # changes the rendering of the history too, and reuses less KV (the router's
+            # session lookup sees the mismatch), never a wrong prompt.
+            built.append(self._chat_prompt_ids(msgs, req.tools, req.chat_template_kwargs))
             return len(built[-1])
 
         # fit_history counts the messages it returns last, so those ids are the prompt's
@@ -1577,17 +1568,17 @@ class Ingress:
             # The chat fields checked as a chat request's (roles, content parts, tools,
             # template variables), and rendered as its prompt is.
             chat = {"model": self._config.model.id, "messages": req.messages}
-            chat.update({k: v for k, v in (("tools", req.tools), ("chat_template_kwargs", req.chat_template_kwargs)) if v})
+            for name in ("tools", "chat_template_kwargs"):
+                if getattr(req, name):
+                    chat[name] = getattr(req, name)
             try:
                 creq = ChatCompletionRequest.model_validate(chat)
             except ValidationError as e:
                 raise invalid_body(e) from None
-            messages, tool_fields = template_messages(creq)
-            for message, fields in zip(messages, tool_fields):
-                message.update(fields)
             ids = self._chat_prompt_ids(
-                messages, creq.tools, creq.chat_template_kwargs, generation_prompt=req.add_generation_prompt,
-                continue_final=req.continue_final_message, special_tokens=req.special_tokens(),
+                template_messages(creq), creq.tools, creq.chat_template_kwargs,
+                generation_prompt=req.add_generation_prompt, continue_final=req.continue_final_message,
+                special_tokens=req.special_tokens(),
             )
         strs = self._tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids, "token_strs": strs}

@@ -66,21 +66,47 @@ def test_n_above_one_in_a_session_turn_is_400_and_appends_nothing(served_app):
     assert get_session(served_app, sid).json()["version"] == 0
 
 
-def test_tools_or_template_kwargs_in_a_session_turn_are_400_and_append_nothing(served_app):
+def test_a_session_turn_calls_a_tool_and_the_next_turn_answers_it(served_app):
+    """Tools in session turns: a named function call, then its output as a tool message
+    in the next turn (tool_choice none, the tools still given), with template variables.
+    Each prompt is the stored history with the replies' generated ids spliced in, rendered
+    with the turn's tools (the tiny model's template shows none of them; the unit test in
+    test_chat_template_errors.py has one that does): the second reply equals a stateless
+    completion of exactly those ids, so KV reuse changed no token; the history holds
+    every message."""
+    from transformers import AutoTokenizer
+
+    from app.sessions import TOKEN_IDS_KEY, exact_prompt_ids
+
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": False}}}
+    client = served_app.client()
     sid = new_session(served_app)["id"]
-    tool = {"type": "function", "function": {"name": "f"}}
-    for extra, param in [
-        ({"tools": [tool], "tool_choice": "required"}, "tools"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
-        # The session's turns were made from the template rendered without them.
-        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ]:
-        body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "call it"}], **extra}
-        r = httpx.post(served_app.base_url + "/v1/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert "session" in r.json()["error"]["message"]
-    assert get_session(served_app, sid).json()["version"] == 0
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    called = turn(client, served_app.model_id, sid, "weather in Paris?", tools=[tool], max_tokens=40,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=kwargs)
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    answered = client.chat.completions.create(
+        model=served_app.model_id, extra_headers={"X-Session-Id": sid}, temperature=0, max_tokens=8,
+        messages=[{"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}],
+        tools=[tool], tool_choice="none", extra_body=kwargs,
+    )
+    s = get_session(served_app, sid).json()
+    assert s["version"] == 2 and [m["role"] for m in s["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert s["messages"][2]["tool_call_id"] == call.id and s["messages"][3]["content"] == answered.choices[0].message.content
+    stored = stored_record(served_app, sid).messages
+    tokenizer = AutoTokenizer.from_pretrained(served_app.model_path)
+    prompt = exact_prompt_ids(tokenizer, stored[:3], [tool], kwargs["chat_template_kwargs"])
+    # It starts with the first prompt and the call's generated ids, exactly.
+    first_prompt = exact_prompt_ids(tokenizer, stored[:1], [tool], kwargs["chat_template_kwargs"])
+    assert prompt[: called.usage.prompt_tokens] == first_prompt and len(first_prompt) == called.usage.prompt_tokens
+    assert stored[1][TOKEN_IDS_KEY] == prompt[len(first_prompt) : len(first_prompt) + len(stored[1][TOKEN_IDS_KEY])]
+    stateless = client.completions.create(model=served_app.model_id, prompt=prompt, temperature=0, max_tokens=8)
+    assert answered.choices[0].message.content == stateless.choices[0].text
+    assert answered.usage.prompt_tokens == len(prompt)
 
 
 def test_a_completion_request_that_names_a_session_is_400_and_appends_nothing(served_app):

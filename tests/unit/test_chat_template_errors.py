@@ -80,3 +80,40 @@ def test_chat_template_kwargs_reach_the_template(ingress):
     with pytest.raises(InvalidRequestError) as e:
         ingress._chat_prompt_ids(messages, template_kwargs={"depth": {"a": 1}})
     assert e.value.status_code == 400 and e.value.param == "chat_template_kwargs"
+
+
+def test_a_session_turn_renders_its_history_with_its_tools_and_template_variables(ingress):
+    """A session turn's prompt (``_session_prompt``) is its stored history and new messages
+    (a tool's answer), rendered with the turn's tools and template variables, the stored
+    reply's ids spliced in; the pending turn keeps the tool message's call id."""
+    from types import SimpleNamespace
+
+    from app.schemas import ChatCompletionRequest
+
+    ingress._tokenizer.chat_template = (
+        "{% if tools %}<|tools|>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% if m['tool_call_id'] is defined %}#{{ m['tool_call_id'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if brief is defined %}(brief){% endif %}{% endif %}"
+    )
+    ingress._max_model_len = 512
+    ingress._config = SimpleNamespace(limits=SimpleNamespace(default_max_tokens=16))
+    sessions = SimpleNamespace(config=SimpleNamespace(overflow_policy="error"), tenant="default")
+    reply_ids = ingress._tokenizer.encode("called", add_special_tokens=False)
+    record = SimpleNamespace(
+        version=1, num_tokens=20, writes_refused=False,
+        messages=[{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": "called", TOKEN_IDS_KEY: reply_ids}],
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        "tools": [tool], "tool_choice": "none", "chat_template_kwargs": {"brief": True},
+    })
+    from app.ingress import template_messages
+
+    ids, turn = ingress._session_prompt(req, sessions, "sess_" + "0" * 32, template_messages(req), record)
+    assert ingress._tokenizer.decode(ids) == (
+        "<|tools|>get_weather<|user|>weather?<|assistant|>called<|tool|>sunny#c1<|assistant|>(brief)")
+    assert turn.new_messages == [{"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    assert turn.expected_version == 1

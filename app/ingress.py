@@ -792,14 +792,24 @@ class Ingress:
             ids = self._chat_prompt_ids(
                 new_messages, req.tools, req.chat_template_kwargs,
                 generation_prompt=req.add_generation_prompt, continue_final=req.continue_final_message,
+                special_tokens=bool(req.add_special_tokens),
             )
-            return ids, None, None
+            return self._truncated(req, ids), None, None
         if not req.add_generation_prompt or req.continue_final_message:
             # The turn appended is the new messages and a reply of its own.
             raise InvalidRequestError(
                 "A session turn ends with the assistant's reply: add_generation_prompt must be true and "
                 "continue_final_message false; send the conversation without a session to continue a message.",
                 param="continue_final_message" if req.continue_final_message else "add_generation_prompt")
+        for name, value in (("truncate_prompt_tokens", req.truncate_prompt_tokens),
+                            ("add_special_tokens", req.add_special_tokens or None)):
+            if value is not None:
+                # A session's prompt is its history rendered as every turn renders it (the
+                # reply ids spliced in); what does not fit is dealt with by its overflow
+                # policy (dataplane.sessions.overflow_policy).
+                raise InvalidRequestError(
+                    f"{name} does not apply to a session turn: the session's overflow policy fits its "
+                    "history to the context.", param=name)
         if sessions is None:
             raise InvalidRequestError("Sessions are disabled on this server.", param="session_id")
         if early_session is not None and session_id == request.headers.get("x-session-id"):
@@ -881,8 +891,27 @@ class Ingress:
 
     def _completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
-            return list(req.prompt)
-        return self._tokenizer.encode(req.prompt)
+            return self._truncated(req, list(req.prompt))
+        special = req.add_special_tokens is not False  # a BOS unless told not to, as vLLM's
+        return self._truncated(req, self._tokenizer.encode(req.prompt, add_special_tokens=special))
+
+    def _truncated(self, req, ids: list[int]) -> list[int]:
+        """``ids`` cut to the request's ``truncate_prompt_tokens`` (vLLM's: -1 is the
+        context less one token for the reply; a value over the context is a 400), from
+        ``truncation_side``, else the tokenizer's side."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > self._max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={keep} cannot be greater than this model's context of "
+                f"{self._max_model_len} tokens.", param="truncate_prompt_tokens")
+        if keep < 0:
+            keep = self._max_model_len - 1
+        if len(ids) <= keep:
+            return ids
+        side = req.truncation_side or getattr(self._tokenizer, "truncation_side", "right")
+        return ids[-keep:] if side == "left" else ids[:keep]
 
     @staticmethod
     async def _next(stream) -> TokenDelta:
@@ -1303,6 +1332,7 @@ class Ingress:
             "model": req.model,
         }
         include_usage = req.include_usage_in_stream()
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         want_logprobs = req.requested_logprobs() is not None
         reply_role = req.reply_role() if chat else None
         # Per choice: (token id, TokenLogprobs) of tokens whose deltas sent no chunk yet (no
@@ -1330,7 +1360,12 @@ class Ingress:
             else:
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             payload = {**base, "choices": [choice]}
-            if include_usage:
+            if continuous:
+                # vLLM's continuous_usage_stats: this choice's tokens so far (none yet in
+                # the chunk that opens it).
+                prompt, done = calls[0].num_prompt_tokens, 0 if role else calls[index].num_output_tokens
+                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            elif include_usage:
                 payload["usage"] = None
             return payload
 

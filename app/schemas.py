@@ -58,6 +58,20 @@ class _Request(BaseModel):
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
     # False: special tokens' text stays in the reply (vLLM's default is True as well).
     skip_special_tokens: bool = True
+    # vLLM's prompt options: keep only this many of the prompt's tokens (-1: as many as
+    # the context takes, less one for the reply), from the side given (default the
+    # tokenizer's, as vLLM's); and special tokens (a BOS) added when tokenizing the
+    # prompt (default: yes for a completion's text, no on top of a chat template's).
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    add_special_tokens: Optional[bool] = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value):
+        if value == 0:
+            raise ValueError("must be -1 (as many as the context takes) or at least 1")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -245,18 +259,50 @@ def _one_of(*allowed):
 # accepted, for the message).
 _UNSUPPORTED_ANY = {
     "use_beam_search": (_false, "false"),
+    "length_penalty": (_one_of(1, 1.0), "1.0 (it weighs beam search's candidates)"),
     "prompt_logprobs": (_unset, "null"),
     "guided_json": (_unset, "null"),
     "guided_regex": (_unset, "null"),
     "guided_choice": (_unset, "null"),
     "guided_grammar": (_unset, "null"),
+    "include_stop_str_in_output": (_false, "false"),
+    "spaces_between_special_tokens": (_one_of(True), "true"),
+    "allowed_token_ids": (_unset, "null"),
+    "bad_words": (_empty, "null"),
+    "logprob_token_ids": (_unset, "null"),
+    "thinking_token_budget": (_unset, "null"),
+    "watermarking": (_unset, "null"),
+    "repetition_detection": (_unset, "null"),
+    # vLLM refuses a priority other than 0 unless it schedules by priority.
+    "priority": (_one_of(0), "0 (requests are served in arrival order)"),
+    # Isolation of cached KV: here per API key (a tenant's blocks are its own).
+    "cache_salt": (_unset, "null (KV caches are kept apart per API key)"),
+    "return_tokens_as_token_ids": (_false, "false"),
+    "return_token_ids": (_false, "false"),
+    "return_token_offsets": (_false, "false"),
+    "return_prompt_text": (_false, "false"),
+    "return_mm_kwargs": (_false, "false"),
+    "routed_experts_prompt_start": (_unset, "null"),
+    "prompt_embeds": (_unset, "null"),
+    "media_io_kwargs": (_empty, "null"),
+    "mm_processor_kwargs": (_empty, "null"),
+    "mm_payload": (_unset, "null"),
+    "kv_transfer_params": (_unset, "null"),
+    "ec_transfer_params": (_unset, "null"),
+    "vllm_xargs": (_empty, "null"),
 }
+# vLLM's request fields that change nothing a client gets back, accepted as unknown
+# fields are: its own request id (ours is X-Request-Id), and how many tokens a streamed
+# chunk batches (the worker's stream pacing decides that here).
+IGNORED_VLLM_FIELDS = frozenset({"request_id", "stream_interval"})
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+    # vLLM's: the usage so far in every chunk too (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -343,6 +389,11 @@ class ChatCompletionRequest(_Request):
         role of the message it continues (vLLM's)."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
+    # OpenAI's, as vLLM serves it: a variable of the chat template (gpt-oss's), which
+    # also turns thinking on ("none": off) for templates that take enable_thinking
+    # (Qwen3's, Gemma's) unless chat_template_kwargs sets that itself.
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value):
@@ -350,6 +401,17 @@ class ChatCompletionRequest(_Request):
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here: the server passes it to the template itself")
         return value or None
+
+    @model_validator(mode="after")
+    def _effort_to_template(self):
+        # Folded into the template's variables once, where the prompt and the reasoning
+        # parser read them (vLLM's build_chat_params).
+        if self.reasoning_effort is not None:
+            kwargs = dict(self.chat_template_kwargs or {})
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            self.chat_template_kwargs = kwargs
+        return self
     # Each output token's log-probability in the reply, and that many alternatives.
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -97,6 +97,62 @@ def test_an_assistant_prefill_is_continued_as_its_prompt_ids_are(served_app):
     assert httpx.get(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).json()["version"] == 0
 
 
+def test_vllms_prompt_options_truncate_and_add_special_tokens(served_app):
+    """truncate_prompt_tokens keeps that many of the prompt's tokens (the tokenizer's side,
+    the right one, unless truncation_side says), as a completion of the kept ids gives;
+    -1 keeps what the context takes less one token for the reply. add_special_tokens
+    false leaves a completion's BOS out; true adds one on top of a chat template's."""
+    client = served_app.client()
+    ids = list(range(100, 140))
+
+    def complete(prompt, **extra):
+        return client.completions.create(model=served_app.model_id, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body=extra)
+
+    for side, kept in ((None, ids[:10]), ("right", ids[:10]), ("left", ids[-10:])):
+        cut = complete(ids, truncate_prompt_tokens=10, **({"truncation_side": side} if side else {}))
+        same = complete(kept)
+        assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == same.choices[0].text, side
+    assert complete(ids, truncate_prompt_tokens=100).usage.prompt_tokens == len(ids)  # nothing to cut
+    models_max_len = client.models.list().data[0].model_extra["max_model_len"]
+    long = [100 + i % 200 for i in range(models_max_len + 50)]
+    r = client.completions.create(model=served_app.model_id, prompt=long, max_tokens=1, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1, "truncation_side": "left"})
+    assert r.usage.prompt_tokens == models_max_len - 1
+    text = "the quick brown fox"
+    with_bos, without = complete(text), complete(text, add_special_tokens=False)
+    assert with_bos.usage.prompt_tokens == without.usage.prompt_tokens + 1
+    chat = chat_body(served_app)
+    plain = post(served_app, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"]
+    bos = post(served_app, "/v1/chat/completions", {**chat, "add_special_tokens": True}).json()
+    assert bos["usage"]["prompt_tokens"] == plain + 1
+    for extra, param in (({"truncate_prompt_tokens": models_max_len + 1}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"truncation_side": "middle"}, "truncation_side")):
+        assert_openai_error(post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": ids,
+                                                                 "max_tokens": 2, **extra}), 400, param)
+    sid = httpx.post(served_app.base_url + "/v1/sessions", timeout=30).json()["id"]
+    r = httpx.post(served_app.base_url + "/v1/chat/completions", headers={"X-Session-Id": sid}, timeout=30,
+                   json={**chat, "truncate_prompt_tokens": 8})
+    assert_openai_error(r, 400, "truncate_prompt_tokens")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served_app):
+    client = served_app.client()
+    _, r = chat_text(client, served_app.model_id, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=served_app.model_id, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == r.usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == r.usage.completion_tokens
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    # Without it, the usage is in the last chunk alone.
+    plain = list(client.chat.completions.create(model=served_app.model_id, messages=CHAT, max_tokens=4, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_completions_streamed_and_not(served_app):
     client = served_app.client()
     r = client.completions.create(model=served_app.model_id, prompt="Once upon a time", max_tokens=10, temperature=0)
@@ -579,6 +635,7 @@ def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, para
         ({"max_tokens": True}, "max_tokens"),
         ({"max_tokens": "4"}, "max_tokens"),
         ({"stream": "true"}, "stream"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
@@ -594,6 +651,11 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
+        # vLLM's fields no engine here applies (app/schemas.py's table).
+        ("/v1/chat/completions", {"priority": 3}, "priority"),
+        ("/v1/chat/completions", {"cache_salt": "user-7"}, "cache_salt"),
+        ("/v1/completions", {"bad_words": ["fox"]}, "bad_words"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ],
 )
 def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, path, override, param):

@@ -135,6 +135,9 @@ def test_a_free_reply_goes_to_reasoning_as_the_parser_reads_it(tools_app, grpc_p
     off = client.chat.completions.create(messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                          **kw).choices[0].message
     assert off.content == raw and not off.model_extra.get("reasoning")
+    # OpenAI's reasoning_effort "none" turns thinking off the same way, as vLLM passes it.
+    effortless = client.chat.completions.create(messages=MESSAGES, reasoning_effort="none", **kw).choices[0].message
+    assert effortless.content == raw and not effortless.model_extra.get("reasoning")
     wait_counted(tools_app, "reasoning")
 
 

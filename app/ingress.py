@@ -257,7 +257,7 @@ class _Metrics:
             "logprobs, structured_output (response_format or structured_outputs), tool_call "
             "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
-            "top_k, min_p, min_tokens, stop_token_ids).",
+            "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids).",
             tag_keys=("endpoint", "feature"),
         )
         self.reply_parses = metrics.Counter(
@@ -361,7 +361,7 @@ def request_features(req, sampling) -> list[str]:
     if (
         sampling.top_k or sampling.min_p or sampling.presence_penalty or sampling.frequency_penalty
         or sampling.repetition_penalty != 1.0 or sampling.logit_bias or sampling.min_tokens
-        or sampling.stop_token_ids
+        or sampling.stop_token_ids or sampling.allowed_token_ids
     ):
         features.append("sampling_controls")
     return features

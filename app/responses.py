@@ -93,6 +93,23 @@ class ResponsesRequest(BaseModel):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = Field(default=None, max_length=256)
     text: Optional[dict] = None
+    # {"effort": ...}: the chat request's reasoning_effort (the template's variables, as
+    # vLLM's Responses endpoint passes them). Summaries are not written here.
+    reasoning: Optional[dict] = None
+
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning(cls, value):
+        if not value:
+            return None
+        for name in ("summary", "generate_summary"):
+            if value.get(name) is not None:
+                raise ValueError(f"{name} is not supported by this server: reasoning comes back as a "
+                                 "reasoning item with its text, not summarised; leave it out or send null")
+        unknown = sorted(set(value) - {"effort", "summary", "generate_summary"})
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0][:40]!r}; reasoning takes effort")
+        return value
 
     @field_validator("input")
     @classmethod
@@ -124,10 +141,13 @@ class ResponsesRequest(BaseModel):
         # items are dropped: asking for it changes nothing.
         "include": (lambda v: _empty(v) or v == ["reasoning.encrypted_content"],
                     '[] or ["reasoning.encrypted_content"]'),
-        "reasoning": (_empty, "null (the model's reasoning, if any, comes back as a reasoning item)"),
         "truncation": (_one_of("disabled"), '"disabled"'),
         "top_logprobs": (_one_of(0), "0"),
         "max_tool_calls": (_unset, "null"),
+        # vLLM's: the prompt's and the reply's messages in the response object, and messages
+        # to put in front of the input.
+        "enable_response_messages": (_false, "false"),
+        "previous_input_messages": (_empty, "null (continue a response with previous_response_id)"),
     }
 
     def unsupported_field(self) -> Optional[tuple[str, str]]:
@@ -273,8 +293,14 @@ def _response_format(text: Optional[dict]) -> Optional[dict]:
 _PASSED_ON = (
     "logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_reasoning", "structured_outputs",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "include_stop_str_in_output",
+    # Served or refused by name there (app/schemas.py's table), as on the chat endpoint.
+    "priority", "cache_salt", "watermarking", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
+    "return_mm_kwargs", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
 )
+# vLLM's Responses fields that change nothing a client gets back here: OpenAI's cache key
+# and service tier (hints), vLLM's request id.
+IGNORED_VLLM_FIELDS = frozenset({"prompt_cache_key", "service_tier", "request_id"})
 
 
 def to_chat(req: ResponsesRequest, new_messages: list[dict]) -> dict:
@@ -296,6 +322,7 @@ def to_chat(req: ResponsesRequest, new_messages: list[dict]) -> dict:
         ("parallel_tool_calls", req.parallel_tool_calls),
         ("user", req.user),
         ("response_format", _response_format(req.text)),
+        ("reasoning_effort", (req.reasoning or {}).get("effort")),
     ):
         if value is not None:
             body[name] = value
@@ -305,7 +332,8 @@ def to_chat(req: ResponsesRequest, new_messages: list[dict]) -> dict:
 
 
 # The chat field an error names → the Responses field it came from.
-_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+                "reasoning_effort": "reasoning.effort"}
 
 
 def responses_param(param: Optional[str]) -> Optional[str]:
@@ -536,7 +564,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
-        "reasoning": None,
+        "reasoning": {"effort": req.reasoning.get("effort"), "summary": None} if req.reasoning else None,
         "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt},

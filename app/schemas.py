@@ -22,6 +22,8 @@ from deployments.compute.engines.protocol import MAX_LOGPROBS
 
 # OpenAI's limit on the entries of logit_bias.
 MAX_LOGIT_BIAS_TOKENS = 300
+# At most this many ids in allowed_token_ids (a request body holds them all anyway).
+MAX_ALLOWED_TOKENS = 4096
 # OpenAI's limit on the tools of a request, and the form of a function's name.
 MAX_TOOLS = 128
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -58,6 +60,10 @@ class _Request(BaseModel):
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=64)
     # False: special tokens' text stays in the reply (vLLM's default is True as well).
     skip_special_tokens: bool = True
+    # vLLM's: the stop string that ended the reply (or stop token's text) is part of it.
+    include_stop_str_in_output: bool = False
+    # vLLM's: only these tokens may be picked.
+    allowed_token_ids: Optional[list[int]] = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
     # vLLM's prompt options: keep only this many of the prompt's tokens (-1: as many as
     # the context takes, less one for the reply), from the side given (default the
     # tokenizer's, as vLLM's); and special tokens (a BOS) added when tokenizing the
@@ -164,6 +170,8 @@ class _Request(BaseModel):
             "logprobs": self.requested_logprobs(),
             "structured_output": self.structured_output(),
             "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "allowed_token_ids": list(self.allowed_token_ids) if self.allowed_token_ids else None,
         }
 
     @field_validator("stop", mode="before")
@@ -265,9 +273,7 @@ _UNSUPPORTED_ANY = {
     "guided_regex": (_unset, "null"),
     "guided_choice": (_unset, "null"),
     "guided_grammar": (_unset, "null"),
-    "include_stop_str_in_output": (_false, "false"),
     "spaces_between_special_tokens": (_one_of(True), "true"),
-    "allowed_token_ids": (_unset, "null"),
     "bad_words": (_empty, "null"),
     "logprob_token_ids": (_unset, "null"),
     "thinking_token_budget": (_unset, "null"),

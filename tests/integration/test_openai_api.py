@@ -296,6 +296,11 @@ def test_penalties_bias_top_k_min_p_and_min_tokens_mean_what_vllm_means(served_a
     assert complete().text == plain
     # A bias of +100 picks its token every time (the logits here span about -19 to 19).
     assert complete(logit_bias={"77": 100}).text == tok.decode([77] * steps)
+    # vLLM's allowed_token_ids: only those may be picked. One allowed token is every token;
+    # of two, greedy picks the likelier, as the loop does with the others ruled out.
+    assert complete(extra={"allowed_token_ids": [77]}).text == tok.decode([77] * steps)
+    two = greedy(bias={t: -1e9 for t in range(len(tok)) if t not in (77, 90)})
+    assert complete(extra={"allowed_token_ids": [77, 90]}).text == two
     # With a bias of +30 the penalties end the repetition after a few tokens.
     biased = greedy(bias={77: 30.0})
     penalised = greedy(presence=2.0, frequency=2.0, repetition=1.3, bias={77: 30.0})
@@ -528,6 +533,13 @@ def test_stop_string_truncates_and_finishes_with_stop(served_app):
     assert text == cut and r.choices[0].finish_reason == "stop"
     streamed, _ = stream_chat_text(client, served_app.model_id, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert streamed == cut
+    # vLLM's include_stop_str_in_output: the same reply, ending with its stop string.
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}
+    text, r = chat_text(client, served_app.model_id, max_tokens=24, temperature=0, stop=[stop], extra_body=kept)
+    assert text == cut + stop and r.choices[0].finish_reason == "stop"
+    streamed, _ = stream_chat_text(client, served_app.model_id, max_tokens=24, temperature=0, stop=[stop],
+                                   extra_body=kept)
+    assert streamed == cut + stop
 
 
 def test_32_concurrent_requests_succeed_and_greedy_is_batch_invariant(served_app):
@@ -630,6 +642,8 @@ def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, para
         ({"n": TEST_MAX_QUEUE_DEPTH + 1}, "n"),  # more choices than the router's queue holds
         ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens (4)
         ({"logit_bias": {"99999": 1}}, "logit_bias"),  # not a token of this vocabulary
+        ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         # Strict JSON types, as OpenAI's: not coerced to 1 token, 4 tokens, a stream.
         ({"max_tokens": True}, "max_tokens"),
@@ -655,7 +669,6 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
         ("/v1/chat/completions", {"priority": 3}, "priority"),
         ("/v1/chat/completions", {"cache_salt": "user-7"}, "cache_salt"),
         ("/v1/completions", {"bad_words": ["fox"]}, "bad_words"),
-        ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ],
 )
 def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, path, override, param):

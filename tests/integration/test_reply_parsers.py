@@ -162,6 +162,11 @@ def test_a_responses_reply_gives_its_reasoning_as_a_reasoning_item(tools_app):
     assert not any(e.type == "response.output_text.delta" for e in events)
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == (
         whole.usage.output_tokens_details.reasoning_tokens)
+    # reasoning.effort "none" turns the template's thinking off, as chat's reasoning_effort:
+    # the same reply is the answer, one message item.
+    quiet = client.responses.create(reasoning={"effort": "none"}, **kw)
+    assert [i.type for i in quiet.output] == ["message"] and quiet.output_text == reasoning
+    assert quiet.reasoning.effort == "none"
 
 
 def test_a_responses_request_under_auto_gets_the_models_calls_as_function_call_items(tools_app):

@@ -170,11 +170,14 @@ def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                      "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
-                     "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True}
+                     "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True,
+                     "include_stop_str_in_output": False, "allowed_token_ids": None}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
                                               "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3,
-                                              "skip_special_tokens": False})
+                                              "skip_special_tokens": False, "include_stop_str_in_output": True,
+                                              "allowed_token_ids": [5, 9]})
     extras = r.sampling_extras()
+    assert extras["include_stop_str_in_output"] is True and extras["allowed_token_ids"] == [5, 9]
     assert extras["top_k"] == 0 and extras["logit_bias"] == {7: -100.0, 12: 5.5}
     assert extras["skip_special_tokens"] is False
     assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3

@@ -97,3 +97,15 @@ def test_a_stop_string_counts_only_after_min_tokens():
     outs = [detok.add_tokens(byte_tokens(c)) for c in ["a", "X", "b", "cXd"]]
     assert [o.stop for o in outs] == [None, None, None, "X"]
     assert detok.text == "aXbc"
+
+
+def test_include_stop_ends_the_output_after_the_stop_string_and_holds_nothing_back():
+    """vLLM's include_stop_str_in_output: the output ends just after the earliest stop
+    string, and a possible start of one streams at once (nothing to keep it from)."""
+    detok = IncrementalDetokenizer(byte_decode, stop=["###", "ab"], include_stop=True)
+    outs = [detok.add_tokens(c) for c in (byte_tokens("Hello #"), byte_tokens("#"), byte_tokens("#tail ab"))]
+    assert [o.text for o in outs] == ["Hello #", "#", "#"]
+    assert outs[-1].stop == "###" and detok.text == "Hello ###"
+    assert detok.add_tokens(byte_tokens("more")).text == "" and detok.flush() == ""
+    same_token = IncrementalDetokenizer(byte_decode, stop=["END"], include_stop=True).add_tokens(byte_tokens("xENDy"))
+    assert (same_token.text, same_token.stop) == ("xEND", "END")

@@ -5,11 +5,12 @@ ingress's Responses stream when the engine or the store fails mid-way."""
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from app import responses
 from app.errors import InvalidRequestError
 from app.ingress import _Call, _Responding
-from app.schemas import ChatCompletionRequest
+from app.schemas import ChatCompletionRequest, invalid_body
 from app.sessions import TOKEN_IDS_KEY
 from deployments.compute.engines.protocol import EngineDeadError, TokenDelta
 from tests.unit.test_ingress_stream import FakeStream, _NoMetric, make_ingress
@@ -65,7 +66,8 @@ def test_input_items_this_server_cannot_take_are_400s_naming_them(items, param):
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
+    ({"reasoning": {"budget": 3}}, "reasoning"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"store": "yes"}, "store"),
@@ -82,6 +84,23 @@ def test_neutral_values_of_unserved_fields_pass():
     req(input="x", background=False, truncation="disabled", include=[], reasoning=None, top_logprobs=0,
         service_tier="auto", prompt_cache_key="k", store=False)
     req(input="x", include=["reasoning.encrypted_content"])
+
+
+def test_reasoning_effort_is_the_chat_requests_and_the_response_says_it():
+    """As vLLM's Responses endpoint passes it: the chat request's reasoning_effort (the
+    template's variables); a bad effort is a 400 naming reasoning.effort."""
+    r = req(input="x", reasoning={"effort": "low", "summary": None})
+    chat = ChatCompletionRequest.model_validate(responses.to_chat(r, responses.input_messages(r)))
+    assert chat.reasoning_effort == "low"
+    assert chat.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+    obj = responses.response_object(r, "resp_x", 0, status="completed", output=[])
+    assert obj["reasoning"] == {"effort": "low", "summary": None}
+    assert responses.response_object(req(input="x"), "resp_x", 0, status="completed", output=[])["reasoning"] is None
+    bad = req(input="x", reasoning={"effort": "extreme"})
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(responses.to_chat(bad, responses.input_messages(bad)))
+    err = responses.responses_error(invalid_body(e.value))
+    assert err.param == "reasoning.effort" and "'reasoning.effort'" in err.message
 
 
 def test_the_chat_request_it_becomes_validates_as_one():

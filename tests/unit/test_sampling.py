@@ -117,3 +117,20 @@ def test_top_k_and_min_p_keep_only_the_likely_tokens():
     assert draws(top_k=2) == {1, 2}
     # min_p 0.5: p(2) / p(1) = e^-0.1 stays, p(0) / p(1) = e^-3 goes.
     assert draws(min_p=0.5) == {1, 2}
+
+
+def test_allowed_token_ids_rule_out_every_other_token_before_the_bias():
+    """vLLM's allowed_token_ids: every other token's logit is -inf (then the bias goes on
+    the allowed ones, as vLLM applies its mask first); rows without it are untouched."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    allowed = SamplingParams(max_tokens=9, allowed_token_ids=[1, 2], logit_bias={2: 1.0, 3: 5.0})
+    plain = SamplingParams(max_tokens=9, logit_bias={0: 1.0})
+    out = adjust_logits(torch.stack([logits] * 2), [allowed, plain], [[0], [0]], [[], []], [[4], [4]])
+    inf = float("-inf")
+    assert out[0].tolist() == [inf, -1.0, 1.5, inf, inf]
+    assert out[1].tolist() == [3.0, -1.0, 0.5, 3.0, -2.0]
+    assert adjusts_logits(SamplingParams(max_tokens=9, allowed_token_ids=[1]), 5)
+    # Greedy and sampled picks stay among them.
+    for seed in range(20):
+        picks = sample(out[:1].expand(2, -1).clone(), [0.0, 1.0], [1.0, 1.0], [None, make_generator(seed)])
+        assert picks[0] == 2 and picks[1] in (1, 2)

@@ -22,7 +22,7 @@ REFUSED_BY_INGRESS = {"session_id"}
 NOT_NEUTRAL = {
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-    "include_stop_str_in_output": True, "spaces_between_special_tokens": False, "allowed_token_ids": [1, 2],
+    "spaces_between_special_tokens": False,
     "bad_words": ["x"], "logprob_token_ids": [1], "thinking_token_budget": 10, "watermarking": {"key": 1},
     "repetition_detection": {"window": 3}, "priority": 1, "cache_salt": "user-1",
     "return_tokens_as_token_ids": True, "return_token_ids": True, "return_token_offsets": True,
@@ -80,3 +80,34 @@ def test_reasoning_effort_becomes_the_templates_variables_as_vllm_passes_them():
         {**CHAT, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
     assert kept.chat_template_kwargs == {"enable_thinking": False, "x": 1, "reasoning_effort": "high"}
     assert ChatCompletionRequest.model_validate(CHAT).chat_template_kwargs is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_every_field_of_vllms_responses_request_is_served_refused_or_harmless():
+    """The Responses request: served, refused by name, passed on to the chat request
+    (which serves or refuses it), or harmless; ``session_id`` is refused by the ingress."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as Theirs
+
+    from app import responses
+
+    ours = responses.ResponsesRequest
+    classified = (set(ours.model_fields) | set(ours._UNSUPPORTED) | set(responses._PASSED_ON)
+                  | responses.IGNORED_VLLM_FIELDS | REFUSED_BY_INGRESS)
+    unclassified = sorted(set(Theirs.model_fields) - classified)
+    assert not unclassified, f"vLLM's Responses request fields neither served, refused nor harmless here: {unclassified}"
+    # What is passed on is the chat request's to serve or refuse.
+    chat_known = set(ChatCompletionRequest.model_fields) | set(_UNSUPPORTED_ANY)
+    assert set(responses._PASSED_ON) <= chat_known, set(responses._PASSED_ON) - chat_known
+
+
+@pytest.mark.parametrize("name, value", [("priority", 2), ("cache_salt", "u"), ("vllm_xargs", {"a": 1}),
+                                         ("enable_response_messages", True), ("previous_input_messages", [{}])])
+def test_a_responses_request_refuses_what_the_chat_request_refuses(name, value):
+    from app import responses
+    from app.errors import InvalidRequestError
+    from app.schemas import refuse_unsupported
+
+    with pytest.raises(InvalidRequestError) as e:
+        r = responses.parse_request({"model": "m", "input": "x", name: value})
+        refuse_unsupported(ChatCompletionRequest.model_validate(responses.to_chat(r, responses.input_messages(r))))
+    assert e.value.param == name

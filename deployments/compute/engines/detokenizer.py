@@ -11,7 +11,9 @@ Two things are held back from the stream until they are settled:
   part of a stop string, so ``"Hello ##"`` with stop ``"###"`` releases only ``"Hello "``
   until the next token shows whether the stop string completes.
 
-When a stop string appears, the output ends just before its first occurrence.
+When a stop string appears, the output ends just before its first occurrence; or, with
+``include_stop`` (vLLM's ``include_stop_str_in_output``), just after it, and then nothing
+is held back for a stop string that may be coming (vLLM's stop buffer is 0 then too).
 """
 
 from __future__ import annotations
@@ -31,12 +33,17 @@ class DetokenizerOutput:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0):
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0,
+        include_stop: bool = False,
+    ):
         """``decode`` turns a list of token ids into text (special tokens already dropped).
         Stop strings are looked for only once more than ``min_tokens`` tokens came (vLLM's
-        rule: text before then is not searched again)."""
+        rule: text before then is not searched again). ``include_stop``: the stop string
+        that ends the output is part of it."""
         self._decode = decode
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._stop = [s for s in stop if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._token_ids: list[int] = []
@@ -96,7 +103,7 @@ class IncrementalDetokenizer:
             hit = self._find_stop(search_from)
             if hit is not None:
                 index, stop = hit
-                self._text = self._text[:index]
+                self._text = self._text[: index + len(stop) if self._include_stop else index]
                 self.stopped = stop
                 out = self._text[self._num_emitted :]
                 self._num_emitted = len(self._text)
@@ -115,7 +122,10 @@ class IncrementalDetokenizer:
         return best
 
     def _partial_stop_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop."""
+        """Length of the longest suffix of the text that is a proper prefix of a stop (0
+        when stop strings go out anyway)."""
+        if self._include_stop:
+            return 0
         longest = 0
         for stop in self._stop:
             for k in range(min(len(stop) - 1, len(self._text)), longest, -1):

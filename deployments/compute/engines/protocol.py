@@ -60,8 +60,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens in prompt or output
     logit_bias: Optional[dict[int, float]] = None  # added to those tokens' logits
     min_tokens: int = 0  # no end of sequence (EOS, stop string) before this many tokens
-    # Tokens that end the reply like EOS (finish "stop", the token counted as output but
-    # its text left out, as vLLM's stop_token_ids with include_stop_str_in_output off).
+    # Tokens that end the reply like EOS (finish "stop", the token counted as output, its
+    # text left out unless include_stop_str_in_output, as vLLM's stop_token_ids).
     stop_token_ids: list[int] = field(default_factory=list)
     # Hold the reply to a grammar (engines/structured.py): ("json", schema text),
     # ("json_object", None), ("regex", pattern) or ("choice", [strings]).
@@ -69,6 +69,10 @@ class SamplingParams:
     # False: special tokens' text stays in the reply (a tool-call parser whose format is
     # made of them needs it); the token that ends the reply stays out either way.
     skip_special_tokens: bool = True
+    # vLLM's: the stop string (or stop token's text) that ended the reply is part of it.
+    include_stop_str_in_output: bool = False
+    # vLLM's: only these tokens may be picked (the others' logits ruled out); None: any.
+    allowed_token_ids: Optional[list[int]] = None
 
 
 @dataclass(slots=True)
@@ -206,6 +210,12 @@ def validate_request(
         raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     if params.logit_bias and not all(0 <= t < vocab_size for t in params.logit_bias):
         raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+    if params.allowed_token_ids is not None and not (
+        params.allowed_token_ids and all(0 <= t < vocab_size for t in params.allowed_token_ids)
+    ):
+        raise RequestRejected(
+            f"allowed_token_ids must be a non-empty list of ids in [0, {vocab_size})", param="allowed_token_ids"
+        )
     if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     try:

@@ -87,6 +87,7 @@ def adjusts_logits(params, num_output: int) -> bool:
     """Whether ``adjust_logits`` would change this request's logits at this step."""
     return bool(
         params.logit_bias
+        or params.allowed_token_ids
         or params.presence_penalty
         or params.frequency_penalty
         or params.repetition_penalty != 1.0
@@ -101,9 +102,10 @@ def adjust_logits(
     output_ids: Sequence[Sequence[int]],
     stop_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """Rows of logits ([rows, vocab]) with their requests' logit bias, min_tokens and
-    penalties applied (protocol.SamplingParams; row j is ``params[j]``'s), as vLLM applies
-    them: bias; the end-of-sequence ids ruled out while the output is shorter than
+    """Rows of logits ([rows, vocab]) with their requests' allowed tokens, logit bias,
+    min_tokens and penalties applied (protocol.SamplingParams; row j is ``params[j]``'s), as
+    vLLM applies them: every token but the allowed ones ruled out; bias; the
+    end-of-sequence ids ruled out while the output is shorter than
     min_tokens; the repetition penalty on tokens of the prompt or the output; then
     frequency and presence on the output's. The penalties go over all rows at once, and
     only where a row's tokens are (row by row over the whole vocabulary they cost ~0.1 ms
@@ -113,6 +115,11 @@ def adjust_logits(
     # Only the tokens named (biased, ending, seen) change: these touch those positions of
     # the flattened rows alone, a few hundred per row, never the whole vocabulary.
     flat = logits.view(-1)
+    for j, p in enumerate(params):
+        if p.allowed_token_ids:
+            ruled_out = torch.ones(vocab, dtype=torch.bool)
+            ruled_out[list(p.allowed_token_ids)] = False
+            logits[j, ruled_out] = float("-inf")
     biased = [(j * vocab + t, b) for j, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if biased:
         at, bias = zip(*biased)

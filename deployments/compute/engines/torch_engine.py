@@ -560,7 +560,8 @@ class TorchEngine(Engine):
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
             request=request,
             detokenizer=IncrementalDetokenizer(
-                self._decode if params.skip_special_tokens else self._decode_all, params.stop, params.min_tokens
+                self._decode if params.skip_special_tokens else self._decode_all, params.stop, params.min_tokens,
+                include_stop=params.include_stop_str_in_output,
             ),
             generator=make_generator(params.seed) if params.temperature > 0 else None,
             loop=asyncio.get_running_loop(),
@@ -1191,9 +1192,11 @@ class TorchEngine(Engine):
             or token_id in params.stop_token_ids
         ):
             # The token that ended the reply stays out of its text, as vLLM leaves it out
-            # (with include_stop_str_in_output off); a complete grammar ends on the
-            # end-of-sequence token it accepted last.
-            text, finish = req.detokenizer.flush(), "stop"
+            # unless include_stop_str_in_output (a special token's text is none anyway,
+            # with skip_special_tokens); a complete grammar ends on the end-of-sequence
+            # token it accepted last.
+            text = req.detokenizer.add_tokens([token_id]).text if params.include_stop_str_in_output else ""
+            text, finish = text + req.detokenizer.flush(), "stop"
         else:
             out = req.detokenizer.add_tokens([token_id])
             text = out.text

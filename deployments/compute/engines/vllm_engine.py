@@ -211,8 +211,8 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         "seed": vllm_seed(params.seed),
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": params.skip_special_tokens,
-        # Stop strings never reach the client, as with the torch engine.
-        "include_stop_str_in_output": False,
+        # A stop string reaches the client only when asked for, as with the torch engine.
+        "include_stop_str_in_output": params.include_stop_str_in_output,
     }
     if params.stop:
         kwargs["stop"] = list(params.stop)
@@ -226,6 +226,8 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         kwargs["repetition_penalty"] = float(params.repetition_penalty)
     if params.logit_bias:
         kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.structured_output is not None:

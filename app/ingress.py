@@ -1204,10 +1204,13 @@ class Ingress:
         elif getattr(req, "history", None) is not None:
             call.output_ids = []  # a Responses reply, stored with its ids
         parsing = getattr(req, "reply_parsing", None)
-        if parsing is not None and parsing.reasoning:
-            for c in calls:  # their reasoning tokens are counted from them (_usage)
+        if (parsing is not None and parsing.reasoning) or req.return_token_ids:
+            # Their reasoning tokens are counted from them (_usage); or the reply returns them.
+            for c in calls:
                 if c.output_ids is None:
                     c.output_ids = []
+        if req.return_token_ids:
+            call.prompt_ids = prompt_ids
         early = None
         if session_lookup is not None:
             if turn is not None and turn.expected_version == session_lookup.version:
@@ -1301,7 +1304,11 @@ class Ingress:
             else:
                 logprobs = self._logprobs_json(chat, c.logprob_items)[0]
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {
+                if req.return_token_ids:  # vLLM's: a completion's choices carry the prompt's
+                    choices[-1]["prompt_token_ids"] = calls[0].prompt_ids
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(c.output_ids)
+        body = {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": now(),
@@ -1309,6 +1316,9 @@ class Ingress:
             "choices": choices,
             "usage": self._usage(calls, req),
         }
+        if chat and req.return_token_ids:
+            body["prompt_token_ids"] = calls[0].prompt_ids
+        return body
 
     async def _stream_body(self, req, calls: list[_Call], firsts, streams) -> AsyncIterator[bytes]:
         async with contextlib.aclosing(self._stream_payloads(req, calls, firsts, streams)) as payloads:
@@ -1339,6 +1349,12 @@ class Ingress:
         # text yet: a character split across tokens), and the completions API's text offset.
         carried: list[list] = [[] for _ in calls]
         offsets = [0] * len(calls)
+        # return_token_ids (vLLM's): each choice's token ids not sent in a chunk yet, and
+        # whether its prompt's ids went out (a chat stream's first chunk carries them, a
+        # completion's each choice's first).
+        want_ids = req.return_token_ids
+        unsent_ids: list[list[int]] = [[] for _ in calls]
+        prompt_sent = [False] * len(calls)
 
         def chunk(
             index: int, text: Optional[str], finish: Optional[str], role: bool = False, tool_calls=None,
@@ -1360,6 +1376,11 @@ class Ingress:
             else:
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             payload = {**base, "choices": [choice]}
+            if want_ids:
+                choice["token_ids"], unsent_ids[index] = unsent_ids[index], []
+                if not prompt_sent[index] and (index == 0 or not chat):
+                    (payload if chat else choice)["prompt_token_ids"] = calls[0].prompt_ids
+                prompt_sent[index] = True
             if continuous:
                 # vLLM's continuous_usage_stats: this choice's tokens so far (none yet in
                 # the chunk that opens it).
@@ -1411,6 +1432,8 @@ class Ingress:
             no end: its logprobs go with the next chunk)."""
             if want_logprobs and delta.logprobs:
                 carried[index].extend(zip(delta.token_ids, delta.logprobs))
+            if want_ids:
+                unsent_ids[index].extend(delta.token_ids)
             text, finish = delta.text, delta.finish_reason
             if parsed:
                 return parsed_chunks(index, delta)

@@ -62,6 +62,9 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     # vLLM's: the stop string that ended the reply (or stop token's text) is part of it.
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt's ids and each choice's generated ids in the reply (in a stream,
+    # each chunk's own), for a client that must not tokenise the text again.
+    return_token_ids: bool = False
     # vLLM's: only these tokens may be picked.
     allowed_token_ids: Optional[list[int]] = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
     # vLLM's prompt options: keep only this many of the prompt's tokens (-1: as many as
@@ -284,7 +287,6 @@ _UNSUPPORTED_ANY = {
     # Isolation of cached KV: here per API key (a tenant's blocks are its own).
     "cache_salt": (_unset, "null (KV caches are kept apart per API key)"),
     "return_tokens_as_token_ids": (_false, "false"),
-    "return_token_ids": (_false, "false"),
     "return_token_offsets": (_false, "false"),
     "return_prompt_text": (_false, "false"),
     "return_mm_kwargs": (_false, "false"),

@@ -126,30 +126,34 @@ class Error(_message.Message):
     def __init__(self, message: _Optional[str] = ..., type: _Optional[str] = ..., param: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class ChatChoice(_message.Message):
-    __slots__ = ("index", "message", "finish_reason", "logprobs")
+    __slots__ = ("index", "message", "finish_reason", "logprobs", "token_ids")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     message: ChatMessage
     finish_reason: str
     logprobs: _struct_pb2.Struct
-    def __init__(self, index: _Optional[int] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatCompletionResponse(_message.Message):
-    __slots__ = ("id", "created", "model", "choices", "usage")
+    __slots__ = ("id", "created", "model", "choices", "usage", "prompt_token_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     model: str
     choices: _containers.RepeatedCompositeFieldContainer[ChatChoice]
     usage: Usage
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "reasoning")
@@ -164,44 +168,52 @@ class ChatDelta(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ChatChunkChoice(_message.Message):
-    __slots__ = ("index", "delta", "finish_reason", "logprobs")
+    __slots__ = ("index", "delta", "finish_reason", "logprobs", "token_ids")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     delta: ChatDelta
     finish_reason: str
     logprobs: _struct_pb2.Struct
-    def __init__(self, index: _Optional[int] = ..., delta: _Optional[_Union[ChatDelta, _Mapping]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., delta: _Optional[_Union[ChatDelta, _Mapping]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatCompletionChunk(_message.Message):
-    __slots__ = ("id", "created", "model", "choices", "usage", "error")
+    __slots__ = ("id", "created", "model", "choices", "usage", "error", "prompt_token_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     model: str
     choices: _containers.RepeatedCompositeFieldContainer[ChatChunkChoice]
     usage: Usage
     error: Error
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChunkChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChunkChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompletionChoice(_message.Message):
-    __slots__ = ("index", "text", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "finish_reason", "logprobs", "token_ids", "prompt_token_ids")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     finish_reason: str
     logprobs: _struct_pb2.Struct
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompletionResponse(_message.Message):
     __slots__ = ("id", "created", "model", "choices", "usage")

@@ -76,6 +76,23 @@ def test_chat_over_grpc_is_the_rest_answer_unary_and_streamed(served_app, stub):
     assert not any(c.HasField("usage") for c in chunks)
 
 
+def test_return_token_ids_over_grpc_are_the_rest_answers(served_app, stub):
+    body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "ids please"}],
+            "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    want = rest(served_app, "/v1/chat/completions", body)
+    extra = struct_pb2.Struct()
+    extra.update({"return_token_ids": True})
+    got = stub.ChatCompletion(chat("ids please", max_tokens=6, extra=extra), metadata=APP, timeout=120)
+    assert list(got.prompt_token_ids) == want["prompt_token_ids"]
+    assert list(got.choices[0].token_ids) == want["choices"][0]["token_ids"] and len(got.choices[0].token_ids) == 6
+    chunks = list(stub.ChatCompletionStream(chat("ids please", max_tokens=6, extra=extra), metadata=APP, timeout=120))
+    assert list(chunks[0].prompt_token_ids) == want["prompt_token_ids"]
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == want["choices"][0]["token_ids"]
+    done = stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[11, 12, 13], max_tokens=4,
+                                                temperature=0, extra=extra), metadata=APP, timeout=120)
+    assert list(done.choices[0].prompt_token_ids) == [11, 12, 13] and len(done.choices[0].token_ids) == 4
+
+
 def test_completion_over_grpc_takes_token_ids_and_extra_fields_as_rest_does(served_app, stub):
     body = {"model": served_app.model_id, "prompt": [11, 12, 13, 14], "max_tokens": 6, "temperature": 0,
             "logprobs": 2, "logit_bias": {"40": 5}}

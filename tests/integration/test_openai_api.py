@@ -137,6 +137,35 @@ def test_vllms_prompt_options_truncate_and_add_special_tokens(served_app):
     assert_openai_error(r, 400, "truncate_prompt_tokens")
 
 
+def test_return_token_ids_gives_the_prompt_and_reply_ids_as_vllm_does(served_app):
+    """vLLM's return_token_ids: the prompt's ids (what /tokenize gives for the same body)
+    and each choice's generated ids, which decode to its text; streamed, each chunk's own
+    ids, which add up to the whole reply's, and the prompt's in the first chunk only."""
+    client = served_app.client()
+    kw = dict(model=served_app.model_id, max_tokens=10, temperature=0)
+    ids_on = {"return_token_ids": True, "ignore_eos": True}
+    r = client.chat.completions.create(messages=CHAT, extra_body=ids_on, **kw)
+    prompt = httpx.post(served_app.base_url + "/tokenize", json={"messages": CHAT}, timeout=30).json()["tokens"]
+    assert r.model_extra["prompt_token_ids"] == prompt and len(prompt) == r.usage.prompt_tokens
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) == r.usage.completion_tokens == 10
+    text = httpx.post(served_app.base_url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(messages=CHAT, stream=True, extra_body=ids_on, **kw))
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks] == [prompt] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+    # Completions: the prompt's ids on the choice, as vLLM's completions put them.
+    plain = client.completions.create(prompt="the quick brown fox", extra_body=ids_on, **kw).choices[0]
+    assert plain.model_extra["prompt_token_ids"] == httpx.post(
+        served_app.base_url + "/tokenize", json={"prompt": "the quick brown fox"}, timeout=30).json()["tokens"]
+    streamed = list(client.completions.create(prompt="the quick brown fox", stream=True, extra_body=ids_on, **kw))
+    assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == plain.model_extra["token_ids"]
+    assert streamed[0].choices[0].model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
+    assert "prompt_token_ids" not in streamed[1].choices[0].model_extra
+    # Off by default.
+    assert "token_ids" not in client.chat.completions.create(messages=CHAT, **kw).choices[0].model_extra
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served_app):
     client = served_app.client()
     _, r = chat_text(client, served_app.model_id, max_tokens=12, temperature=0)

@@ -25,7 +25,7 @@ NOT_NEUTRAL = {
     "spaces_between_special_tokens": False,
     "bad_words": ["x"], "logprob_token_ids": [1], "thinking_token_budget": 10, "watermarking": {"key": 1},
     "repetition_detection": {"window": 3}, "priority": 1, "cache_salt": "user-1",
-    "return_tokens_as_token_ids": True, "return_token_ids": True, "return_token_offsets": True,
+    "return_tokens_as_token_ids": True, "return_token_offsets": True,
     "return_prompt_text": True, "return_mm_kwargs": True, "routed_experts_prompt_start": 0,
     "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
     "mm_payload": {"a": 1}, "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1},

@@ -356,6 +356,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# vLLM's two prompt flags (chat requests and /tokenize) set against each other.
+BOTH_PROMPT_FLAGS = (
+    "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt to false "
+    "to continue the final message"
+)
+
 # What the ingress passes to the chat template itself (transformers' apply_chat_template
 # arguments and the template variables it sets), which chat_template_kwargs cannot set.
 _TEMPLATE_ARGUMENTS = frozenset({
@@ -386,10 +392,7 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _continue_or_generate(cls, value, info):
         if value and info.data.get("add_generation_prompt", True):
-            raise ValueError(
-                "add_generation_prompt and continue_final_message cannot both be true: set "
-                "add_generation_prompt to false to continue the final message"
-            )
+            raise ValueError(BOTH_PROMPT_FLAGS)
         return value
 
     def reply_role(self) -> str:
@@ -420,6 +423,7 @@ class ChatCompletionRequest(_Request):
             kwargs["reasoning_effort"] = self.reasoning_effort
             self.chat_template_kwargs = kwargs
         return self
+
     # Each output token's log-probability in the reply, and that many alternatives.
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -665,10 +669,7 @@ class TokenizeRequest(BaseModel):
                 if getattr(self, name):
                     raise InvalidRequestError(f"'{name}' applies to 'messages', not to a 'prompt'.", param=name)
         if self.add_generation_prompt and self.continue_final_message:
-            raise InvalidRequestError(
-                "add_generation_prompt and continue_final_message cannot both be true: set "
-                "add_generation_prompt to false to continue the final message.", param="continue_final_message",
-            )
+            raise InvalidRequestError(f"{BOTH_PROMPT_FLAGS}.", param="continue_final_message")
 
     def unsupported_field(self) -> Optional[tuple[str, str]]:
         return unsupported_in(self.model_extra, self._UNSUPPORTED)

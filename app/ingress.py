@@ -195,15 +195,12 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
         raise InvalidRequestError(str(e), param="messages") from None
 
 
-def _refuse_session(request: Request, req: CompletionRequest) -> None:
-    """A completion request that names a session (header or body): a 400. Sessions hold
-    chat turns; ignoring the name would give a reply the client takes to be stored."""
+def _refuse_session(request: Request, req, why: str) -> None:
+    """A 400 (``why``) for a request that names a session (header or body) where sessions
+    do not apply: a completion (sessions hold chat turns; ignoring the name would give a
+    reply the client takes to be stored), /tokenize and /detokenize."""
     if request.headers.get("x-session-id") is not None or (req.model_extra or {}).get("session_id") is not None:
-        raise InvalidRequestError(
-            "Sessions hold chat turns: name one (X-Session-Id header or session_id) in a "
-            "request to /v1/chat/completions, not /v1/completions.",
-            param="session_id",
-        )
+        raise InvalidRequestError(why, param="session_id")
 
 
 class _Metrics:
@@ -1091,7 +1088,8 @@ class Ingress:
                         session_lookup = self._start_session_lookup(sessions, req.session_id)
                     prompt_ids, turn, check = await self._chat_prompt(req, request, sessions, early_session)
                 else:
-                    _refuse_session(request, req)
+                    _refuse_session(request, req, "Sessions hold chat turns: name one (X-Session-Id header or "
+                                    "session_id) in a request to /v1/chat/completions, not /v1/completions.")
                     prompt_ids = self._completion_prompt_ids(req)
                 if self._limiter is not None:
                     grant = await self._limiter.acquire(
@@ -1587,38 +1585,36 @@ class Ingress:
     # ---- /tokenize and /detokenize (vLLM's) ------------------------------------------------
 
     async def _tokenizer_endpoint(self, endpoint: str, request: Request, work) -> Response:
-        """``work`` (the body → the answer) for /tokenize and /detokenize: the tokenizer's
-        work alone, no worker call. The body is checked as a generation request's is (API
-        key, size, JSON, model), counted in ``llm_requests_total`` and traced."""
+        """``work`` (the request and its body → the answer) for /tokenize and /detokenize:
+        the tokenizer's work alone, no worker call. The body is checked as a generation
+        request's is (API key, size, JSON, model; no session), counted in
+        ``llm_requests_total`` and traced."""
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
             try:
                 self._authenticate(request, span)
-                if request.headers.get("x-session-id") is not None:
-                    raise InvalidRequestError(
-                        "A session's history is not tokenized here: GET /v1/sessions/{id} gives its size "
-                        "in tokens.", param="session_id",
-                    )
-                answer = JSONResponse(work(await self._read_json(request)))
+                answer = JSONResponse(work(request, await self._read_json(request)))
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
                 answer = error_response(to_api_error(e))
             span.set_attribute("http.status_code", answer.status_code)
             self._m.requests.inc(tags={"endpoint": endpoint, "status": str(answer.status_code)})
         return answer
 
-    def _tokenizer_body(self, schema, body: dict):
+    def _tokenizer_body(self, schema, request: Request, body: dict):
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
             raise invalid_body(e) from None
+        _refuse_session(request, req, "A session's history is not tokenized here: GET /v1/sessions/{id} gives "
+                                      "its size in tokens.")
         refuse_unsupported(req)
         if req.model is not None:  # optional here, as in vLLM's
             self._check_model(req.model)
         return req
 
-    def _tokenize(self, body: dict) -> dict:
+    def _tokenize(self, request: Request, body: dict) -> dict:
         """The prompt ids a completion (``prompt``) or a chat (``messages``) request would
         have here, as vLLM's /tokenize gives them."""
-        req = self._tokenizer_body(TokenizeRequest, body)
+        req = self._tokenizer_body(TokenizeRequest, request, body)
         req.check_form()
         if req.prompt is not None:
             ids = self._tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens())
@@ -1641,8 +1637,8 @@ class Ingress:
         strs = self._tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids, "token_strs": strs}
 
-    def _detokenize(self, body: dict) -> dict:
-        req = self._tokenizer_body(DetokenizeRequest, body)
+    def _detokenize(self, request: Request, body: dict) -> dict:
+        req = self._tokenizer_body(DetokenizeRequest, request, body)
         vocab = len(self._tokenizer)
         for i, t in enumerate(req.tokens):
             if t >= vocab:

@@ -652,11 +652,10 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     return_token_strs: Optional[bool] = False
 
+    # The chat request's refusals of these (a session is refused by the ingress).
     _UNSUPPORTED: ClassVar[dict] = {
-        "chat_template": (_unset, "null (the model's own template)"),
-        "media_io_kwargs": (_empty, "null"),
-        "mm_processor_kwargs": (_empty, "null"),
-        "session_id": (_unset, "null (a session's history is not tokenized here)"),
+        "chat_template": ChatCompletionRequest._UNSUPPORTED["chat_template"],
+        **{name: _UNSUPPORTED_ANY[name] for name in ("media_io_kwargs", "mm_processor_kwargs")},
     }
 
     def check_form(self) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -254,7 +255,8 @@ class _Metrics:
             "logprobs, structured_output (response_format or structured_outputs), tool_call "
             "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
-            "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids).",
+            "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids), prompt_logprobs "
+            "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply).",
             tag_keys=("endpoint", "feature"),
         )
         self.reply_parses = metrics.Counter(
@@ -305,6 +307,8 @@ class _SessionMoved(Exception):
         self.record = record
 
 
+REPLACEMENT_CHAR = "\ufffd"  # what a token that is part of a UTF-8 character decodes to alone
+
 # JSON has no -inf: OpenAI and vLLM send this floor for a token the model rules out.
 LOGPROB_FLOOR = -9999.0
 
@@ -321,6 +325,11 @@ def chat_logprob(token_text, token_id: int, logprob: float, top: list) -> dict:
         return {"token": token, "logprob": json_logprob(value), "bytes": list(token.encode("utf-8", "replace"))}
 
     return {**entry(token_id, logprob), "top_logprobs": [entry(i, v) for i, v in top]}
+
+
+def _joined(head: dict, tail: dict) -> dict:
+    """Two completions ``logprobs`` objects of consecutive tokens as one."""
+    return {key: head[key] + tail[key] for key in head}
 
 
 def tool_reply(mode: str, function: Optional[str], text: str, finish: str) -> tuple[Optional[str], list[dict], str]:
@@ -361,6 +370,10 @@ def request_features(req, sampling) -> list[str]:
         or sampling.stop_token_ids or sampling.allowed_token_ids
     ):
         features.append("sampling_controls")
+    if sampling.prompt_logprobs is not None:
+        features.append("prompt_logprobs")
+    if getattr(req, "echo", False):
+        features.append("echo")
     return features
 
 
@@ -392,8 +405,23 @@ class _Call:
         self.logprob_items: Optional[list] = None
         # The request's rate-limit charge (app/rate_limits.py), settled at its end.
         self.grant: Optional[Grant] = None
+        # The prompt's logprobs (protocol.PromptLogprob per token, the first None), from
+        # the first delta of a request that asked for them (choice 0's: the choices share
+        # one prompt), with the ids they are of.
+        self.prompt_logprobs: Optional[list] = None
+        self.prompt_logprob_ids: Optional[list[int]] = None
+        # A completion's echo: the prompt's text in front of the reply; echo_only (echo
+        # with max_tokens 0): the one token the engine made is not the client's.
+        self.echo_text: Optional[str] = None
+        self.echo_only = False
 
     def on_delta(self, delta: TokenDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+        if self.echo_only:
+            return
         if self.first_token_at is None and delta.token_ids:
             self.first_token_at = time.monotonic()
         if self.output_ids is not None:
@@ -403,8 +431,6 @@ class _Call:
         self.num_output_tokens = max(
             self.num_output_tokens + len(delta.token_ids), delta.num_output_tokens
         )
-        if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
@@ -544,28 +570,107 @@ class Ingress:
                 )
         return data
 
-    def _logprobs_json(self, chat: bool, items: Optional[list], offset: int = 0) -> tuple[Optional[dict], int]:
+    def _logprob_text(self, token_id: int, context: list[int]) -> str:
+        """A token's text in a logprobs entry, as vLLM's: the token decoded alone, unless
+        that ends in U+FFFD (a piece of a multi-byte character, which byte-level
+        tokenizers split across tokens): then what it adds to up to four tokens before it
+        at its position (``context``: the prompt's, or the reply's sampled ones), or ""
+        when the character is still incomplete (vLLM's ``_correct_decoded_token``)."""
+        text = self._token_text(token_id)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        decode = self._tokenizer.decode
+        for n in range(1, min(len(context), 4) + 1):
+            before = context[-n:]
+            full = decode(before + [token_id])
+            if full.endswith(REPLACEMENT_CHAR):
+                continue
+            # The context's own trailing pieces printed nothing: their bytes are this text's.
+            clean = len(before)
+            while clean > 0 and self._token_text(before[clean - 1]).endswith(REPLACEMENT_CHAR):
+                clean -= 1
+            prefix = decode(before[:clean]) if clean else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            return full[len(os.path.commonprefix([prefix, full])):]
+        return ""
+
+    def _logprobs_json(
+        self, chat: bool, items: Optional[list], offset: int = 0, context: Optional[list[int]] = None
+    ) -> tuple[Optional[dict], int]:
         """A choice's ``logprobs`` object for (token id, TokenLogprobs) items, in the chat
         or the completions API's form (None when none were asked for), and the text offset
-        after them (completions: each token's offset in the choice's text)."""
+        after them (completions: each token's offset in the choice's text). ``context``:
+        the tokens before the items (a stream's earlier chunks'), which a token's text
+        may need (``_logprob_text``); extended in place by the items' own."""
         if items is None:
             return None, offset
-        text = self._token_text
+        context = [] if context is None else context
+
+        def texts(token_id: int):
+            at = context[-4:]
+            return lambda i: self._logprob_text(i, at)
+
+        def advance(token_id: int) -> None:
+            context.append(token_id)
+            del context[:-4]
+
         if chat:
-            return {"content": [chat_logprob(text, t, lp, top) for t, (lp, top) in items]}, offset
+            content = []
+            for t, (lp, top) in items:
+                content.append(chat_logprob(texts(t), t, lp, top))
+                advance(t)
+            return {"content": content}, offset
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for token_id, (lp, top) in items:
+        for token_id, entry in items:
+            # An echoed prompt's first token has no entry (nothing before it): vLLM
+            # decodes it alone, and it is nobody's context.
+            text = texts(token_id) if entry is not None else self._token_text
             token = text(token_id)
             tokens.append(token)
+            text_offset.append(offset)
+            offset += len(token)
+            if entry is None:  # an echoed prompt's first token: nothing before it
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            lp, top = entry
             token_logprobs.append(json_logprob(lp))
             # The legacy API lists the chosen token among the top ones too (up to k + 1).
             tops = {text(i): json_logprob(v) for i, v in top}
             tops.setdefault(token, json_logprob(lp))
             top_logprobs.append(tops)
-            text_offset.append(offset)
-            offset += len(token)
+            advance(token_id)
         body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
         return body, offset
+
+    def _prompt_logprobs_json(self, call: "_Call") -> Optional[list]:
+        """vLLM's ``prompt_logprobs`` of ``call``'s prompt: per token, null (the first) or
+        {token id: {logprob, rank, decoded_token}}, the prompt's token first, then the
+        most likely ones ranked 1..k (a top one that is the prompt's token keeps its place
+        and takes that rank, as vLLM's dict does)."""
+        if call.prompt_logprobs is None:
+            return None
+        ids, out = call.prompt_logprob_ids, [None]
+        for j, (lp, rank, top) in enumerate(call.prompt_logprobs[1:], 1):
+            ranked = {ids[j]: (lp, rank)}
+            for r, (i, v) in enumerate(top, 1):
+                ranked[i] = (v, r)
+            before = ids[max(1, j - 4):j]  # the first token has no entry: not context (vLLM's)
+            out.append({
+                str(i): {"logprob": json_logprob(v), "rank": r, "decoded_token": self._logprob_text(i, before)}
+                for i, (v, r) in ranked.items()
+            })
+        return out
+
+    def _echo_logprob_items(self, req, call: "_Call") -> Optional[list]:
+        """An echoed prompt's (token id, TokenLogprobs or None) items, in front of the
+        reply's in a completion's logprobs (None when it asked for none)."""
+        k = req.requested_logprobs()
+        if k is None or call.prompt_logprobs is None:
+            return None
+        ids = call.prompt_logprob_ids
+        return [(ids[0], None)] + [(t, (lp, top[:k])) for t, (lp, _, top) in zip(ids[1:], call.prompt_logprobs[1:])]
 
     def _validate(self, schema, data: dict):
         try:
@@ -1021,7 +1126,11 @@ class Ingress:
                 dataclasses.replace(
                     first,
                     request_id=uuid.uuid4().hex,
-                    sampling=dataclasses.replace(first.sampling, seed=seed, stop=list(first.sampling.stop)),
+                    # The prompt's logprobs are choice 0's to compute (one prompt); the
+                    # others keep their cached prefix.
+                    sampling=dataclasses.replace(
+                        first.sampling, seed=seed, stop=list(first.sampling.stop), prompt_logprobs=None
+                    ),
                 )
             )
         return out
@@ -1090,6 +1199,8 @@ class Ingress:
                 else:
                     _refuse_session(request, req, "Sessions hold chat turns: name one (X-Session-Id header or "
                                     "session_id) in a request to /v1/chat/completions, not /v1/completions.")
+                    if (problem := req.max_tokens_problem()) is not None:
+                        raise InvalidRequestError(problem, param="max_tokens")
                     prompt_ids = self._completion_prompt_ids(req)
                 if self._limiter is not None:
                     grant = await self._limiter.acquire(
@@ -1209,6 +1320,15 @@ class Ingress:
                     c.output_ids = []
         if req.return_token_ids:
             call.prompt_ids = prompt_ids
+        if gen_request.sampling.prompt_logprobs is not None:
+            call.prompt_logprob_ids = prompt_ids
+            span.set_attribute("llm.prompt_logprobs", gen_request.sampling.prompt_logprobs)
+        if getattr(req, "echo", False):
+            # The text as sent (vLLM's), or the ids' text where the ids were sent or cut.
+            sent_whole = isinstance(req.prompt, str) and req.truncate_prompt_tokens is None
+            echo_text = req.prompt if sent_whole else self._tokenizer.decode(prompt_ids)
+            for c in calls:
+                c.echo_text, c.echo_only = echo_text, req.echo_only()
         early = None
         if session_lookup is not None:
             if turn is not None and turn.expected_version == session_lookup.version:
@@ -1301,7 +1421,17 @@ class Ingress:
                 )
             else:
                 logprobs = self._logprobs_json(chat, c.logprob_items)[0]
+                if c.echo_text is not None:
+                    text = c.echo_text + ("" if c.echo_only else text)
+                    echoed = self._echo_logprob_items(req, calls[0])
+                    if echoed is not None:
+                        # In front; the reply's own tokens' texts have only the reply's
+                        # tokens before them as context, as vLLM's.
+                        head, offset = self._logprobs_json(chat, echoed)
+                        logprobs = _joined(head, self._logprobs_json(chat, c.logprob_items or [], offset)[0])
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                if calls[0].prompt_logprobs is not None:  # vLLM's: on each choice
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs_json(calls[0])
                 if req.return_token_ids:  # vLLM's: a completion's choices carry the prompt's
                     choices[-1]["prompt_token_ids"] = calls[0].prompt_ids
             if req.return_token_ids:
@@ -1316,6 +1446,8 @@ class Ingress:
         }
         if chat and req.return_token_ids:
             body["prompt_token_ids"] = calls[0].prompt_ids
+        if chat and calls[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_json(calls[0])
         return body
 
     async def _stream_body(self, req, calls: list[_Call], firsts, streams) -> AsyncIterator[bytes]:
@@ -1347,6 +1479,10 @@ class Ingress:
         # text yet: a character split across tokens), and the completions API's text offset.
         carried: list[list] = [[] for _ in calls]
         offsets = [0] * len(calls)
+        # Per choice: the reply's last tokens sent, context of the next ones' texts
+        # (_logprob_text); an echoed prompt's logprobs, ahead of its first chunk's own.
+        recent: list[list[int]] = [[] for _ in calls]
+        echo_head: list[Optional[dict]] = [None] * len(calls)
         # return_token_ids (vLLM's): each choice's token ids not sent in a chunk yet, and
         # whether its prompt's ids went out (a chat stream's first chunk carries them, a
         # completion's each choice's first).
@@ -1360,8 +1496,10 @@ class Ingress:
         ) -> dict:
             logprobs = None
             if want_logprobs and not role:
-                logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index])
+                logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index], recent[index])
                 carried[index] = []
+                if echo_head[index] is not None:
+                    logprobs, echo_head[index] = _joined(echo_head[index], logprobs), None
             if chat:
                 delta = {"role": reply_role, "content": text or ""} if role else (
                     {"content": text} if text else {}
@@ -1425,9 +1563,21 @@ class Ingress:
                 out.append(chunk(index, None, finish))
             return out
 
+        echo_open = [calls[0].echo_text is not None] * len(calls)  # its first chunk carries the prompt
+
         def chunks(index: int, delta: TokenDelta) -> list[dict]:
             """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
             no end: its logprobs go with the next chunk)."""
+            echo = echo_open[index]
+            if echo:
+                echo_open[index] = False
+                echoed = self._echo_logprob_items(req, calls[0]) if want_logprobs else None
+                if echoed is not None:
+                    echo_head[index], offsets[index] = self._logprobs_json(chat, echoed)
+            if calls[index].echo_only:  # the engine's one token is not the client's
+                delta = dataclasses.replace(delta, text="", token_ids=[], logprobs=None)
+            if echo:
+                delta = dataclasses.replace(delta, text=calls[index].echo_text + delta.text)
             if want_logprobs and delta.logprobs:
                 carried[index].extend(zip(delta.token_ids, delta.logprobs))
             if want_ids:

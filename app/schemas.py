@@ -74,6 +74,19 @@ class _Request(BaseModel):
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
     truncation_side: Optional[Literal["left", "right"]] = None
     add_special_tokens: Optional[bool] = None
+    # vLLM's: each prompt token's log-probability, rank and this many alternatives (the
+    # reply's prompt_logprobs). Not in a stream, as vLLM's server refuses it there.
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, value, info):
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
+
+    def requested_prompt_logprobs(self) -> Optional[int]:
+        return self.prompt_logprobs
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -171,6 +184,7 @@ class _Request(BaseModel):
             "min_tokens": self.min_tokens or 0,
             "stop_token_ids": list(self.stop_token_ids or ()),
             "logprobs": self.requested_logprobs(),
+            "prompt_logprobs": self.requested_prompt_logprobs(),
             "structured_output": self.structured_output(),
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
@@ -271,7 +285,6 @@ def _one_of(*allowed):
 _UNSUPPORTED_ANY = {
     "use_beam_search": (_false, "false"),
     "length_penalty": (_one_of(1, 1.0), "1.0 (it weighs beam search's candidates)"),
-    "prompt_logprobs": (_unset, "null"),
     "guided_json": (_unset, "null"),
     "guided_regex": (_unset, "null"),
     "guided_choice": (_unset, "null"),
@@ -596,13 +609,32 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    # The prompt in front of each choice's text (and, with logprobs, its tokens in front
+    # of the choice's logprobs, the first one's null); with max_tokens 0 the prompt alone:
+    # how evaluation harnesses score a text's log-likelihood.
     echo: bool = False
+    # 0 only with echo (OpenAI's and vLLM's: the prompt, nothing generated).
+    max_tokens: Optional[int] = Field(default=None, ge=0)
     # Each output token's log-probability, and the top `logprobs` tokens at its position
     # (plus the chosen one, as OpenAI's legacy API returns them).
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def requested_logprobs(self) -> Optional[int]:
         return self.logprobs
+
+    def echo_only(self) -> bool:
+        """The reply is the prompt alone (echo with max_tokens 0). The engine still makes
+        one token (it makes at least one, as vLLM's does); the reply leaves it out."""
+        return self.echo and self.max_tokens == 0 and not self.max_completion_tokens
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return 1 if self.echo_only() else super().requested_max_tokens()
+
+    def requested_prompt_logprobs(self) -> Optional[int]:
+        # An echo with logprobs lists the prompt's tokens with theirs (vLLM's).
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     _UNSUPPORTED: ClassVar[dict] = {
         "suffix": (_one_of(""), '""'),
@@ -625,11 +657,12 @@ class CompletionRequest(_Request):
             raise ValueError("prompt must not be empty")
         return value
 
-    @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
+    def max_tokens_problem(self) -> Optional[str]:
+        """Why max_tokens 0 is refused (without echo), else None; the ingress's 400 names
+        max_tokens (a field check could not: echo comes after it)."""
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens must be at least 1 (0 only with echo, which returns the prompt alone)"
+        return None
 
 
 class TokenizeRequest(BaseModel):

@@ -5,13 +5,11 @@ bad bodies are clear 4xx errors. The tokenizer's work alone: one engine suffices
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.fixtures.serve_app import free_port, vllm_importable, wait_for
+from tests.fixtures.serve_app import vllm_server_replies, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -137,18 +135,7 @@ SAME_AS_VLLM = [
 def test_the_answers_are_those_of_vllms_own_server(served_app, tmp_path):
     """The same bodies to ``vllm serve`` (its api_server, on the same checkpoint): the
     same ids, counts, token strings and text."""
-    if not vllm_importable():
-        pytest.skip("vLLM is not installed here (scripts/install_vllm_cpu.sh)")
-    from loadtests.compare_vllm import VLLMServer, vllm_flags
-
-    port = free_port()
-    flags = vllm_flags(Path(served_app.model_path), argparse.Namespace(max_num_seqs=4, kv_gib=0.25, output_len=16))
-    server = VLLMServer(flags, port, tmp_path / "vllm_server.log")
-    server.start(600)
-    try:
-        theirs = [httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=60) for path, body in SAME_AS_VLLM]
-    finally:
-        server.stop()
+    theirs = vllm_server_replies(served_app.model_path, tmp_path / "vllm_server.log", SAME_AS_VLLM)
     for (path, body), their in zip(SAME_AS_VLLM, theirs):
         assert their.status_code == 200, (path, body, their.text)
         ours = post(served_app, path, **body)

@@ -358,3 +358,46 @@ def test_the_config_sets_the_warmup_prefill_unless_warmup_is_off(tiny_model_path
     assert built({"warmup_prefill_tokens": 4096}).warmup_prefill_tokens == 2047  # below the tiny model's context
     assert built({"warmup_prefill_tokens": 512}).warmup_prefill_tokens == 512
     assert built({"warmup_prefill_tokens": 512, "warmup": False}).warmup_prefill_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_prompt_logprobs_are_the_models_own_over_the_whole_prompt(engine, hf_model):
+    """vLLM's prompt logprobs: each prompt token's log-probability given the ones before
+    it, its rank and the top k, against a full forward pass of transformers' model; the
+    request prefills apart from a plain one that arrives with it, and both replies stay
+    exact."""
+    import torch
+
+    ids, other = encode(engine, PROMPTS[2]), encode(engine, PROMPTS[1])
+    (deltas, tokens, _), (_, other_tokens, _) = await asyncio.gather(
+        collect(engine, make_request("plp", ids, max_tokens=6, prompt_logprobs=3)),
+        collect(engine, make_request("plain", other, max_tokens=6)),
+    )
+    assert tokens == hf_greedy(hf_model, ids, 6) and other_tokens == hf_greedy(hf_model, other, 6)
+    entries = deltas[0].prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    assert len(entries) == len(ids) and entries[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for j in range(1, len(ids)):
+        lp, rank, top = entries[j]
+        row = ref[j - 1]
+        assert lp == pytest.approx(float(row[ids[j]]), abs=1e-4)
+        assert rank == int((row > row[ids[j]] + 1e-4).sum()) + 1
+        assert [i for i, _ in top] == row.topk(3).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_prompt_logprobs_of_a_reply_are_the_logprobs_it_was_generated_with(engine):
+    """The same distributions two ways: a greedy reply's per-token logprobs (decode steps
+    over the cache) and the prompt logprobs of the prompt followed by that reply (one
+    prefill)."""
+    ids = encode(engine, PROMPTS[3])
+    deltas, tokens, _ = await collect(engine, make_request("gen", ids, max_tokens=10, ignore_eos=True, logprobs=2))
+    generated = [e for d in deltas for e in d.logprobs]
+    deltas2, _, _ = await collect(engine, make_request("again", ids + tokens, max_tokens=1, prompt_logprobs=2))
+    scored = deltas2[0].prompt_logprobs[len(ids):]
+    assert [lp for lp, _, _ in scored] == pytest.approx([lp for lp, _ in generated], abs=1e-4)
+    assert [rank for _, rank, _ in scored] == [1] * len(tokens)  # greedy: each the most likely
+    assert [[i for i, _ in top] for _, _, top in scored] == [[i for i, _ in top] for _, top in generated]

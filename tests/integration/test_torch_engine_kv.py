@@ -539,3 +539,23 @@ async def test_waiting_for_exports_returns_while_a_finished_one_is_still_listed(
     engine._export_tasks.add(task)
     await asyncio.wait_for(engine.wait_for_kv_exports(), 5)
     engine._export_tasks.discard(task)
+
+
+@pytest.mark.asyncio
+async def test_prompt_logprobs_prefill_the_whole_prompt_though_its_prefix_is_cached(engine, plain, store):
+    """A prefix in the store has no logits: a request for prompt logprobs imports none
+    and prefills it all (vLLM skips its prefix cache for these too); its entries equal
+    those of an engine without a cache."""
+    ids = plain.tokenizer(PROMPTS[0])["input_ids"]
+    await collect(engine, make_request("first", ids))
+    await engine.wait_for_kv_exports()
+    assert store.blocks
+    deltas = [d async for d in engine.generate(make_request("scored", ids, prompt_logprobs=1))]
+    ref = [d async for d in plain.generate(make_request("ref", ids, prompt_logprobs=1))]
+    assert deltas[-1].num_cached_tokens == 0
+    got, want = deltas[0].prompt_logprobs, ref[0].prompt_logprobs
+    assert got[0] is None and want[0] is None and len(got) == len(ids)
+    assert [e[0] for e in got[1:]] == pytest.approx([e[0] for e in want[1:]], abs=1e-5)
+    # A plain request of the same prompt still reuses the blocks.
+    again = [d async for d in engine.generate(make_request("reuse", ids))]
+    assert again[-1].num_cached_tokens > 0

@@ -170,7 +170,7 @@ def test_sampling_extras_map_to_the_engines_params():
     plain = ChatCompletionRequest.model_validate(CHAT_REQ).sampling_extras()
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                      "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
-                     "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True,
+                     "prompt_logprobs": None, "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True,
                      "include_stop_str_in_output": False, "allowed_token_ids": None}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
                                               "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3,
@@ -182,6 +182,29 @@ def test_sampling_extras_map_to_the_engines_params():
     assert extras["skip_special_tokens"] is False
     assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3
     assert CompletionRequest.model_validate({**COMPLETION_REQ, "logprobs": 0}).sampling_extras()["logprobs"] == 0
+
+
+def test_echo_and_prompt_logprobs_map_to_the_engines_params_as_vllm_maps_them():
+    def extras(**fields):
+        req = CompletionRequest.model_validate({**COMPLETION_REQ, **fields})
+        return req.sampling_extras()["prompt_logprobs"], req.requested_max_tokens()
+
+    assert extras(echo=True) == (None, None)  # no logprobs: the prompt's text only, KV reuse kept
+    assert extras(echo=True, logprobs=2) == (2, None)  # the echoed tokens' logprobs
+    assert extras(echo=True, logprobs=2, prompt_logprobs=5) == (5, None)
+    assert extras(prompt_logprobs=0, max_tokens=3) == (0, 3)
+    # max_tokens 0 with echo: the engine makes one token, which the reply leaves out.
+    assert extras(echo=True, max_tokens=0) == (None, 1)
+    assert CompletionRequest.model_validate({**COMPLETION_REQ, "echo": True, "max_tokens": 0}).echo_only()
+    assert CompletionRequest.model_validate({**COMPLETION_REQ, "max_tokens": 0}).max_tokens_problem()
+    assert CompletionRequest.model_validate({**COMPLETION_REQ, "echo": True, "max_tokens": 0}).max_tokens_problem() is None
+    chat = ChatCompletionRequest.model_validate({**CHAT_REQ, "prompt_logprobs": 4})
+    assert chat.sampling_extras()["prompt_logprobs"] == 4
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 1, "stream": True},
+                {"max_tokens": 0}):
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate({**CHAT_REQ, **bad})
+        assert e.value.errors()[0]["loc"][0] == ("max_tokens" if "max_tokens" in bad else "prompt_logprobs")
 
 
 @pytest.mark.parametrize(

@@ -195,12 +195,26 @@ async def test_one_failing_choice_ends_the_stream_and_stops_the_others():
     assert all(s.cancelled for s in streams)
 
 
+class ByteTokenizer:
+    """Each id one byte string; a sequence decodes as its bytes joined (a piece of a UTF-8
+    character alone is U+FFFD), as byte-level BPE decodes."""
+
+    def __init__(self, pieces: dict[int, bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids, **_):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", "replace")
+
+
 async def test_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     """A token that ends inside a character sends no chunk of its own; its logprob entry
-    must not be lost but go out with the chunk that carries its text, in order, and the
-    completions API's text offsets count the tokens' own texts."""
+    must not be lost but go out with the chunk that carries its text, in order. Its text
+    in the entry is vLLM's: "" for the first piece of "é", the whole character for the
+    piece that completes it (what it adds to the token before it), so the completions
+    API's text offsets are offsets in the reply's text."""
     ing = make_ingress()
-    ing._token_text = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "d", 9: "e"}.get
+    ing._tokenizer = ByteTokenizer({1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"d", 9: b"e"})
+    ing._token_text = lambda i: ing._tokenizer.decode([i])
     req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True, "logprobs": 1})
     first = TokenDelta("a", [1], None, 3, 1, logprobs=[(-0.1, [(1, -0.1)])])
     stream = FakeStream([
@@ -210,11 +224,11 @@ async def test_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     ])
     out = events(await collect(ing, req, first, stream))
     lps = [e["choices"][0]["logprobs"] for e in out[:-1]]
-    assert [lp["tokens"] for lp in lps] == [["a"], ["\ufffd", "\ufffd"], ["d"]]
+    assert [lp["tokens"] for lp in lps] == [["a"], ["", "\u00e9"], ["d"]]
     assert [lp["token_logprobs"] for lp in lps] == [[-0.1], [-0.2, -0.3], [-9999.0]]  # JSON has no -inf
-    assert [lp["text_offset"] for lp in lps] == [[0], [1, 2], [3]]
+    assert [lp["text_offset"] for lp in lps] == [[0], [1, 1], [2]]
     # The legacy form lists the chosen token among the top ones when it is not there.
-    assert lps[1]["top_logprobs"] == [{"\ufffd": -0.2}, {"e": -0.25, "\ufffd": -0.3}]
+    assert lps[1]["top_logprobs"] == [{"": -0.2}, {"e": -0.25, "\u00e9": -0.3}]
 
 
 async def test_a_reply_sent_whole_carries_every_tokens_logprobs():

@@ -20,7 +20,7 @@ REFUSED_BY_INGRESS = {"session_id"}
 
 # A value of each refused field that is not its neutral one.
 NOT_NEUTRAL = {
-    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "guided_json": {"type": "object"},
+    "use_beam_search": True, "length_penalty": 0.5, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
     "spaces_between_special_tokens": False,
     "bad_words": ["x"], "logprob_token_ids": [1], "thinking_token_budget": 10, "watermarking": {"key": 1},

@@ -36,6 +36,11 @@ MAX_LOGPROBS = 20
 # vLLM's default ``logprobs_mode`` gives them.
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
+# Of one prompt token (vLLM's prompt logprobs): its log-probability given the tokens
+# before it, its rank in that distribution (1: the most likely), and the ``k`` most likely
+# tokens there as (token id, log-probability). The first prompt token has none (None).
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -50,6 +55,10 @@ class SamplingParams:
     # Return each output token's log-probability and this many alternatives
     # (TokenDelta.logprobs); None: none.
     logprobs: Optional[int] = None
+    # Each prompt token's log-probability, rank and this many alternatives
+    # (TokenDelta.prompt_logprobs, in the first delta); None: none. The whole prompt is
+    # prefilled then (no cached prefix: it has no logits), as vLLM skips its prefix cache.
+    prompt_logprobs: Optional[int] = None
     # What vLLM's SamplingParams mean by the same names. Applied in vLLM's order: logit
     # bias and min_tokens, then the penalties, to the logits (greedy picks from those);
     # then temperature, min_p, top_k and top_p to the distribution sampled from.
@@ -122,6 +131,9 @@ class TokenDelta:
     num_output_tokens: int = 0
     # One entry per id in token_ids when the request asked for logprobs, else None.
     logprobs: Optional[list[TokenLogprobs]] = None
+    # One entry per prompt token (None for the first) in the first delta when the request
+    # asked for prompt logprobs, else None.
+    prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
     # Prompt tokens whose KV came from a cache instead of a prefill (the engine's own
     # prefix cache, or the data plane's L2/L3); known from the first delta on.
     num_cached_tokens: int = 0
@@ -189,6 +201,11 @@ def validate_request(
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         raise RequestRejected(
             f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", param="logprobs"
+        )
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
+        raise RequestRejected(
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {params.prompt_logprobs}",
+            param="prompt_logprobs",
         )
     if params.top_k < 0:
         raise RequestRejected(f"top_k must be >= 0 (0: no limit), got {params.top_k}", param="top_k")

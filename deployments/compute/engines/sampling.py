@@ -171,3 +171,29 @@ def token_logprobs(
             top = list(zip(ids.tolist(), values.tolist()))
         out.append((float(logprobs[j, token_id]), top))
     return out
+
+
+# Prompt positions whose log-softmax is taken at once (a [rows, vocab] float32 block).
+_PROMPT_LOGPROB_ROWS = 512
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list:
+    """protocol.PromptLogprob of each of ``token_ids`` (the prompt's tokens after the
+    first) from ``logits`` ([len(token_ids), vocab]: row j the logits after the prompt's
+    first j + 1 tokens): its log-probability, its rank (1 + the tokens more likely) and the
+    ``k`` most likely tokens. Of the raw distribution, as vLLM's prompt logprobs; taken a
+    block of rows at a time, so a long prompt never holds its whole vocabulary-wide
+    float32 copy at once."""
+    out: list = []
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    for start in range(0, len(ids), _PROMPT_LOGPROB_ROWS):
+        block = torch.log_softmax(logits[start : start + _PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        chosen = block.gather(1, ids[start : start + len(block), None].to(block.device)).squeeze(1)
+        ranks = (block > chosen[:, None]).sum(dim=1) + 1
+        if k:
+            values, top_ids = block.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        else:
+            tops = [[] for _ in range(len(block))]
+        out.extend(zip(chosen.tolist(), ranks.tolist(), tops))
+    return out

@@ -84,6 +84,7 @@ from deployments.compute.engines.sampling import (
     adjust_logits,
     adjusts_logits,
     make_generator,
+    prompt_logprobs,
     sample,
     token_logprobs,
 )
@@ -172,6 +173,9 @@ class _Request:
     prefix: Optional[torch.Tensor] = None
     # P, once prefilled with a prefix (its blocks are not exported again).
     num_imported_tokens: int = 0
+    # The prompt's logprobs (SamplingParams.prompt_logprobs), from its prefill until the
+    # first delta carries them.
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass(slots=True)
@@ -573,7 +577,8 @@ class TorchEngine(Engine):
         self._active_ids.add(request.request_id)
         submitted = finished = False
         try:
-            if self._kv is not None:
+            if self._kv is not None and params.prompt_logprobs is None:
+                # Prompt logprobs need every prompt position's logits: no cached prefix.
                 req.prefix = await self._fetch_prefix(request)
             with self._lifecycle_lock:
                 self._check_alive()
@@ -993,8 +998,14 @@ class TorchEngine(Engine):
                 logger.error("dropping an imported prefix of %d tokens for a %d-token prompt",
                              r.prefix.shape[3], len(r.seq.prompt_token_ids))
                 r.prefix = None
-        plain = [r for r in new_reqs if r.prefix is None]
+        plain = [r for r in new_reqs if r.prefix is None and r.request.sampling.prompt_logprobs is None]
         parts = [self._prefill(plain)] if plain else []
+        # A request that asked for its prompt's logprobs keeps every position's logits: on
+        # its own, so that no other row pays for (or pads) a [width, vocab] block.
+        parts += [
+            self._prefill([r], all_logits=True)
+            for r in new_reqs if r.prefix is None and r.request.sampling.prompt_logprobs is not None
+        ]
         parts += [self._prefill_with_prefix(r) for r in new_reqs if r.prefix is not None]
         if old_reqs:
             self._decode_step()
@@ -1005,7 +1016,9 @@ class TorchEngine(Engine):
             self._postprocess(req)
         self._drop_done_rows()
 
-    def _prefill(self, reqs: list[_Request]) -> _Batch:
+    def _prefill(self, reqs: list[_Request], all_logits: bool = False) -> _Batch:
+        """Prefill ``reqs`` as one left-padded batch; ``all_logits`` (one request): keep
+        every position's logits and turn them into its prompt logprobs."""
         lengths = [len(r.seq.prompt_token_ids) for r in reqs]
         width = max(lengths)
         pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -1024,8 +1037,15 @@ class TorchEngine(Engine):
             position_ids=positions.to(self.device),
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+            logits_to_keep=0 if all_logits else 1,
+        ).logits
+        if all_logits:
+            (req,) = reqs
+            prompt = req.seq.prompt_token_ids
+            req.prompt_logprobs = [None] + prompt_logprobs(
+                logits[0, :-1], prompt[1:], req.request.sampling.prompt_logprobs
+            )
+        logits = logits[:, -1]
         self._sample_into(reqs, logits, "prefill")  # syncs (logits go to the CPU)
         self._account_prefill(reqs, width, sum(lengths), 0, started, faults)
         return _Batch(reqs=list(reqs), cache=cache, mask=mask.to(self.device))
@@ -1212,8 +1232,10 @@ class TorchEngine(Engine):
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
             logprobs=None if params.logprobs is None else [req.pending_logprobs],
+            prompt_logprobs=req.prompt_logprobs,
             num_cached_tokens=req.num_imported_tokens,
         )
+        req.prompt_logprobs = None  # the first delta's only
         if finish is not None:
             if self._kv is not None:
                 # Before the last delta, so the export is under way when the caller sees it.
@@ -1313,5 +1335,6 @@ def _coalesce(items: list[Union[TokenDelta, BaseException]]) -> TokenDelta:
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         logprobs=None if last.logprobs is None else [e for d in items for e in d.logprobs or ()],
+        prompt_logprobs=next((d.prompt_logprobs for d in items if d.prompt_logprobs is not None), None),
         num_cached_tokens=last.num_cached_tokens,
     )

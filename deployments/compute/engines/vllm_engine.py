@@ -238,6 +238,9 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         # The sampled token's logprob plus this many of the most likely (vLLM's default
         # logprobs_mode, raw_logprobs: before temperature and top-p, as the torch engine).
         kwargs["logprobs"] = params.logprobs
+    if params.prompt_logprobs is not None:
+        # vLLM skips its prefix cache (and our connector's loads) for these itself.
+        kwargs["prompt_logprobs"] = params.prompt_logprobs
     return kwargs
 
 
@@ -254,6 +257,26 @@ def delta_logprobs(token_ids: list[int], positions, k: int) -> list:
         entries.append((chosen.logprob if chosen is not None else float("-inf"), top))
     if len(entries) != len(token_ids):
         raise EngineError(f"vLLM returned logprobs for {len(entries)} of {len(token_ids)} tokens")
+    return entries
+
+
+def prompt_logprob_entries(token_ids: list[int], positions, k: int) -> list:
+    """protocol.PromptLogprob of each prompt token (None for the first) from vLLM's
+    ``RequestOutput.prompt_logprobs`` (None, then per position {token id: Logprob}: the
+    prompt's token and the ``k`` of rank 1..k)."""
+    positions = list(positions or ())
+    if len(positions) != len(token_ids):
+        raise EngineError(f"vLLM returned prompt logprobs for {len(positions)} of {len(token_ids)} prompt tokens")
+    entries: list = [None]
+    for token_id, position in zip(token_ids[1:], positions[1:]):
+        chosen = position.get(token_id) if position else None
+        if chosen is None:
+            raise EngineError("vLLM's prompt logprobs miss a prompt token")
+        top = sorted(
+            ((i, p.logprob) for i, p in position.items() if p.rank is not None and p.rank <= k),
+            key=lambda item: -item[1],
+        )[:k]
+        entries.append((chosen.logprob, int(chosen.rank), top))
     return entries
 
 
@@ -561,7 +584,7 @@ class VLLMEngine(Engine):
             prompt["cache_salt"] = request.tenant
         num_prompt = len(request.prompt_token_ids)
         num_output = 0
-        got_output = False
+        got_output = prompt_sent = False
         all_token_ids: list[int] = []
         streamed = ""
         self._active_ids.add(request.request_id)
@@ -592,6 +615,13 @@ class VLLMEngine(Engine):
                     text += self._flush_tail(ended, streamed + text, request.sampling.skip_special_tokens)
                 streamed += text
                 k = request.sampling.logprobs
+                prompt_lps = None
+                if request.sampling.prompt_logprobs is not None and not prompt_sent:
+                    # vLLM hands them over once, with the output that ends the prefill.
+                    prompt_lps = prompt_logprob_entries(
+                        request.prompt_token_ids, out.prompt_logprobs, request.sampling.prompt_logprobs
+                    )
+                    prompt_sent = True
                 yield TokenDelta(
                     text=text,
                     token_ids=token_ids,
@@ -599,6 +629,7 @@ class VLLMEngine(Engine):
                     num_prompt_tokens=num_prompt,
                     num_output_tokens=num_output,
                     logprobs=None if k is None else delta_logprobs(token_ids, completion.logprobs, k),
+                    prompt_logprobs=prompt_lps,
                     # vLLM's prefix cache hits, its connector's loads from the data plane included.
                     num_cached_tokens=out.num_cached_tokens or 0,
                 )

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -327,6 +327,12 @@ def chat_logprob(token_text, token_id: int, logprob: float, top: list) -> dict:
     return {**entry(token_id, logprob), "top_logprobs": [entry(i, v) for i, v in top]}
 
 
+def _prompt_tokens(calls: list["_Call"]) -> int:
+    """A request's prompt tokens: each prompt's once, however many choices it has (as
+    OpenAI counts them for n > 1)."""
+    return sum(c.num_prompt_tokens for c in calls if c.head is c)
+
+
 def _joined(head: dict, tail: dict) -> dict:
     """Two completions ``logprobs`` objects of consecutive tokens as one."""
     return {key: head[key] + tail[key] for key in head}
@@ -414,6 +420,9 @@ class _Call:
         # with max_tokens 0): the one token the engine made is not the client's.
         self.echo_text: Optional[str] = None
         self.echo_only = False
+        # The first choice of this call's prompt (a completion may batch several prompts):
+        # the one that holds the prompt's ids, logprobs and counts.
+        self.head: "_Call" = self
 
     def on_delta(self, delta: TokenDelta) -> None:
         if delta.prompt_logprobs is not None:
@@ -991,11 +1000,12 @@ class Ingress:
                 sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids
             )
 
-    def _completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return self._truncated(req, list(req.prompt))
+    def _completion_prompt_ids(self, req: CompletionRequest, prompt) -> list[int]:
+        """The ids of one of ``req``'s prompts (a text or token ids)."""
+        if isinstance(prompt, list):
+            return self._truncated(req, list(prompt))
         special = req.add_special_tokens is not False  # a BOS unless told not to, as vLLM's
-        return self._truncated(req, self._tokenizer.encode(req.prompt, add_special_tokens=special))
+        return self._truncated(req, self._tokenizer.encode(prompt, add_special_tokens=special))
 
     def _truncated(self, req, ids: list[int]) -> list[int]:
         """``ids`` cut to the request's ``truncate_prompt_tokens`` (vLLM's: -1 is the
@@ -1044,9 +1054,9 @@ class Ingress:
     def _record(self, calls: list[_Call], status: int) -> None:
         """One request's metrics and log line; ``calls`` are its choices (``n``)."""
         call = calls[0]
+        num_prompt = _prompt_tokens(calls)
         if call.grant is not None:  # what it did not generate goes back to its bucket
-            self._refund(call.grant, call.grant.tokens - call.num_prompt_tokens
-                         - sum(c.num_output_tokens for c in calls))
+            self._refund(call.grant, call.grant.tokens - num_prompt - sum(c.num_output_tokens for c in calls))
         tags = {"endpoint": call.endpoint}
         self._m.requests.inc(tags={"endpoint": call.endpoint, "status": str(status)})
         if status != 200:
@@ -1055,9 +1065,10 @@ class Ingress:
         num_output = sum(c.num_output_tokens for c in calls)
         self._m.e2e.observe(end - call.received, tags=tags)
         usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant}
-        self._m.prompt_tokens.inc(call.num_prompt_tokens, tags=usage_tags)
-        if call.num_cached_tokens:
-            self._m.cached_tokens.inc(call.num_cached_tokens, tags=usage_tags)
+        self._m.prompt_tokens.inc(num_prompt, tags=usage_tags)
+        num_cached = sum(c.num_cached_tokens for c in calls if c.head is c)
+        if num_cached:
+            self._m.cached_tokens.inc(num_cached, tags=usage_tags)
         if num_output:
             self._m.output_tokens.inc(num_output, tags=usage_tags)
         # Only a streamed request has a first token the client sees (a buffered one gets
@@ -1077,8 +1088,8 @@ class Ingress:
             call.endpoint,
             call.tenant,
             len(calls),
-            call.num_prompt_tokens,
-            call.num_cached_tokens,
+            num_prompt,
+            num_cached,
             num_output,
             ",".join(str(c.finish_reason) for c in calls),
             1000 * (call.started - call.received),
@@ -1088,15 +1099,15 @@ class Ingress:
         )
 
     def _usage(self, calls: list[_Call], req=None) -> dict:
-        # The prompt is counted once, as OpenAI does for n > 1; so are its cached tokens
+        # Each prompt is counted once, as OpenAI does for n > 1; so are its cached tokens
         # (OpenAI's prompt caching field: KV reused instead of prefilled).
-        prompt = calls[0].num_prompt_tokens
+        prompt = _prompt_tokens(calls)
         completion = sum(c.num_output_tokens for c in calls)
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": calls[0].num_cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in calls if c.head is c)},
         }
         if isinstance(req, ChatCompletionRequest) and self._reasoning_tokens_counted():
             # As vLLM's chat server reports them with a reasoning parser: every chat
@@ -1179,13 +1190,17 @@ class Ingress:
                 else:
                     req = self._validate(schema, await self._read_json(request))
                 turn = check = None
+                more_prompts: list[list[int]] = []
                 places = self._router.max_tenant_places
-                if req.n > places:
+                num_prompts = len(req.prompt_list()) if isinstance(req, CompletionRequest) else 1
+                if req.n * num_prompts > places:
                     # Each choice takes a place in the router's queue (of the tenant's
                     # share of it): a request with more choices could never get in.
                     share = "" if places == self._config.router.max_queue_depth else " (one API key's share of it)"
+                    what = f"n={req.n}" if num_prompts == 1 else f"n={req.n} times {num_prompts} prompts"
                     raise InvalidRequestError(
-                        f"n={req.n} exceeds this server's queue depth of {places}{share}.", param="n"
+                        f"{what} exceeds this server's queue depth of {places}{share}.",
+                        param="n" if num_prompts == 1 else "prompt",
                     )
                 if isinstance(req, ChatCompletionRequest):
                     if req.n > 1 and _named_session(request, req) is not None:
@@ -1201,15 +1216,17 @@ class Ingress:
                                     "session_id) in a request to /v1/chat/completions, not /v1/completions.")
                     if (problem := req.max_tokens_problem()) is not None:
                         raise InvalidRequestError(problem, param="max_tokens")
-                    prompt_ids = self._completion_prompt_ids(req)
+                    prompts = [self._completion_prompt_ids(req, p) for p in req.prompt_list()]
+                    prompt_ids, more_prompts = prompts[0], prompts[1:]
                 if self._limiter is not None:
-                    grant = await self._limiter.acquire(
-                        tenant, len(prompt_ids) + req.n * self._max_tokens(req, len(prompt_ids))
-                    )
+                    grant = await self._limiter.acquire(tenant, sum(
+                        len(ids) + req.n * self._max_tokens(req, len(ids)) for ids in [prompt_ids, *more_prompts]
+                    ))
                 started = time.monotonic()
                 try:
                     calls, streams, firsts = await self._start(
-                        endpoint, req, span, tenant, prompt_ids, turn, check, received, started, session_lookup
+                        endpoint, req, span, tenant, prompt_ids, turn, check, received, started, session_lookup,
+                        more_prompts,
                     )
                 except Exception as e:
                     if check is None:
@@ -1285,11 +1302,14 @@ class Ingress:
         received: float,
         started: float,
         session_lookup: Optional[SessionLookup] = None,
+        more_prompts: Sequence[list[int]] = (),
     ):
         """Hand the request's choices to the router and wait for each one's first delta
         (so that a rejection keeps its status code). ``check``: what the router awaits
         before the worker call (see ``_chat_prompt``); ``session_lookup``: see
-        ``_start_session_lookup``. Returns the calls, their streams and their first deltas."""
+        ``_start_session_lookup``; ``more_prompts``: a completion's further prompts, whose
+        choices follow the first prompt's (``n`` each). Returns the calls, their streams
+        and their first deltas."""
         gen_request = self._generation_request(req, prompt_ids, tenant)
         # A non-streaming client sees nothing before the end, so the router may
         # run it again if its worker dies mid-way (see Router._stream_with_retry).
@@ -1298,8 +1318,17 @@ class Ingress:
             gen_request.session_id = turn.session_id
             gen_request.session_continues = turn.expected_version > 0
             span.set_attribute("llm.session_id", turn.session_id)
-        gen_requests = self._choice_requests(req, gen_request)
-        calls = [_Call(endpoint, g.request_id, len(prompt_ids), tenant) for g in gen_requests]
+        gen_requests, calls, heads = [], [], []
+        for ids in [prompt_ids, *more_prompts]:
+            first = gen_request if ids is prompt_ids else self._generation_request(req, ids, tenant)
+            first.buffered = gen_request.buffered
+            group = self._choice_requests(req, first)
+            group_calls = [_Call(endpoint, g.request_id, len(ids), tenant) for g in group]
+            for c in group_calls:
+                c.head = group_calls[0]
+            gen_requests += group
+            calls += group_calls
+            heads.append((group_calls[0], ids))
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
@@ -1318,17 +1347,21 @@ class Ingress:
             for c in calls:
                 if c.output_ids is None:
                     c.output_ids = []
-        if req.return_token_ids:
-            call.prompt_ids = prompt_ids
+        sent = req.prompt_list() if isinstance(req, CompletionRequest) else [None]
+        for (head, ids), prompt in zip(heads, sent):
+            if req.return_token_ids:
+                head.prompt_ids = ids
+            if gen_request.sampling.prompt_logprobs is not None:
+                head.prompt_logprob_ids = ids
+            if getattr(req, "echo", False):
+                # The text as sent (vLLM's), or the ids' text where ids were sent or cut.
+                sent_whole = isinstance(prompt, str) and req.truncate_prompt_tokens is None
+                echo_text = prompt if sent_whole else self._tokenizer.decode(ids)
+                for c in calls:
+                    if c.head is head:
+                        c.echo_text, c.echo_only = echo_text, req.echo_only()
         if gen_request.sampling.prompt_logprobs is not None:
-            call.prompt_logprob_ids = prompt_ids
             span.set_attribute("llm.prompt_logprobs", gen_request.sampling.prompt_logprobs)
-        if getattr(req, "echo", False):
-            # The text as sent (vLLM's), or the ids' text where the ids were sent or cut.
-            sent_whole = isinstance(req.prompt, str) and req.truncate_prompt_tokens is None
-            echo_text = req.prompt if sent_whole else self._tokenizer.decode(prompt_ids)
-            for c in calls:
-                c.echo_text, c.echo_only = echo_text, req.echo_only()
         early = None
         if session_lookup is not None:
             if turn is not None and turn.expected_version == session_lookup.version:
@@ -1338,7 +1371,9 @@ class Ingress:
                 # the store's): that lookup would miss their blocks.
                 self._router.drop_session_lookup(session_lookup)
         span.set_attribute("llm.request_id", call.request_id)
-        span.set_attribute("llm.prompt_tokens", call.num_prompt_tokens)
+        span.set_attribute("llm.prompt_tokens", _prompt_tokens(calls))
+        if more_prompts:
+            span.set_attribute("llm.prompts", 1 + len(more_prompts))
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
         sampling = gen_request.sampling  # what the schema's methods gave, computed once
@@ -1423,17 +1458,17 @@ class Ingress:
                 logprobs = self._logprobs_json(chat, c.logprob_items)[0]
                 if c.echo_text is not None:
                     text = c.echo_text + ("" if c.echo_only else text)
-                    echoed = self._echo_logprob_items(req, calls[0])
+                    echoed = self._echo_logprob_items(req, c.head)
                     if echoed is not None:
                         # In front; the reply's own tokens' texts have only the reply's
                         # tokens before them as context, as vLLM's.
                         head, offset = self._logprobs_json(chat, echoed)
                         logprobs = _joined(head, self._logprobs_json(chat, c.logprob_items or [], offset)[0])
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-                if calls[0].prompt_logprobs is not None:  # vLLM's: on each choice
-                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs_json(calls[0])
+                if c.head.prompt_logprobs is not None:  # vLLM's: on each choice, its prompt's
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs_json(c.head)
                 if req.return_token_ids:  # vLLM's: a completion's choices carry the prompt's
-                    choices[-1]["prompt_token_ids"] = calls[0].prompt_ids
+                    choices[-1]["prompt_token_ids"] = c.head.prompt_ids
             if req.return_token_ids:
                 choices[-1]["token_ids"] = list(c.output_ids)
         body = {
@@ -1515,12 +1550,12 @@ class Ingress:
             if want_ids:
                 choice["token_ids"], unsent_ids[index] = unsent_ids[index], []
                 if not prompt_sent[index] and (index == 0 or not chat):
-                    (payload if chat else choice)["prompt_token_ids"] = calls[0].prompt_ids
+                    (payload if chat else choice)["prompt_token_ids"] = calls[index].head.prompt_ids
                 prompt_sent[index] = True
             if continuous:
                 # vLLM's continuous_usage_stats: this choice's tokens so far (none yet in
                 # the chunk that opens it).
-                prompt, done = calls[0].num_prompt_tokens, 0 if role else calls[index].num_output_tokens
+                prompt, done = calls[index].head.num_prompt_tokens, 0 if role else calls[index].num_output_tokens
                 payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
             elif include_usage:
                 payload["usage"] = None
@@ -1563,7 +1598,7 @@ class Ingress:
                 out.append(chunk(index, None, finish))
             return out
 
-        echo_open = [calls[0].echo_text is not None] * len(calls)  # its first chunk carries the prompt
+        echo_open = [c.echo_text is not None for c in calls]  # its first chunk carries the prompt
 
         def chunks(index: int, delta: TokenDelta) -> list[dict]:
             """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
@@ -1571,7 +1606,7 @@ class Ingress:
             echo = echo_open[index]
             if echo:
                 echo_open[index] = False
-                echoed = self._echo_logprob_items(req, calls[0]) if want_logprobs else None
+                echoed = self._echo_logprob_items(req, calls[index].head) if want_logprobs else None
                 if echoed is not None:
                     echo_head[index], offsets[index] = self._logprobs_json(chat, echoed)
             if calls[index].echo_only:  # the engine's one token is not the client's

@@ -26,6 +26,8 @@ MAX_LOGIT_BIAS_TOKENS = 300
 MAX_ALLOWED_TOKENS = 4096
 # OpenAI's limit on the tools of a request, and the form of a function's name.
 MAX_TOOLS = 128
+# Prompts in one completion request (a batch of them, as OpenAI's legacy API and vLLM take).
+MAX_PROMPTS = 128
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -607,6 +609,10 @@ class ChatCompletionRequest(_Request):
     }
 
 
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
 class CompletionRequest(_Request):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     # The prompt in front of each choice's text (and, with logprobs, its tokens in front
@@ -643,19 +649,26 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if isinstance(value[0], (str, list)):
-                if len(value) != 1:
-                    raise ValueError("only one prompt per request is supported")
-                value = value[0]
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
-        if isinstance(value, str) and not value:
+    def _prompts(cls, value):
+        # One prompt (a text or token ids) or a batch of them (texts, or lists of ids); a
+        # batch of one is that prompt.
+        if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
-        return value
+        batch = _is_batch(value)
+        prompts = value if batch else [value]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for p in prompts:
+            if not p:
+                raise ValueError("a prompt must not be empty")
+            if isinstance(p, list) and any(t < 0 for t in p):
+                raise ValueError("token ids must be non-negative")
+        return prompts[0] if batch and len(prompts) == 1 else value
+
+    def prompt_list(self) -> list:
+        """The request's prompts (texts or lists of token ids), in order: its choices are
+        those of the first prompt, then the second's, ... (``n`` each)."""
+        return self.prompt if _is_batch(self.prompt) else [self.prompt]
 
     def max_tokens_problem(self) -> Optional[str]:
         """Why max_tokens 0 is refused (without echo), else None; the ingress's 400 names

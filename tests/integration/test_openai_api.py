@@ -527,6 +527,40 @@ def test_n_choices_are_what_n_seeded_single_requests_give(served_app):
     assert r.usage.total_tokens == len(prompt) + 3 * 12
 
 
+def test_a_batch_of_prompts_gives_each_prompts_choices_in_order(served_app):
+    """A completion with several prompts (texts or token ids), as OpenAI's legacy API and
+    vLLM take them: n choices per prompt, prompt by prompt (index = prompt * n + choice),
+    each what a request of that prompt alone gives; the usage counts each prompt once;
+    streamed, each chunk carries its choice's index."""
+    client = served_app.client()
+    prompts = ["The quiet river", "A cache of keys and values is", "one two three four"]
+    kw = dict(model=served_app.model_id, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [r.choices[0].text for r in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert batch.usage.completion_tokens == 6 * 5
+    by_index: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + c.text
+    assert [by_index[i] for i in range(6)] == [c.text for c in batch.choices]
+    # Token ids, each choice with its own prompt's ids.
+    ids = [r.json()["tokens"] for r in (httpx.post(served_app.base_url + "/tokenize", json={"prompt": p}, timeout=30)
+                                        for p in prompts[:2])]
+    r = post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": ids, "max_tokens": 2,
+                                             "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert [c["prompt_token_ids"] for c in r.json()["choices"]] == ids
+    # A batch whose choices would not fit the queue, an empty prompt in it, too many.
+    places = TEST_MAX_QUEUE_DEPTH
+    for prompt, n, param in ((["x"] * (places + 1), 1, "prompt"), (["x", ""], 1, "prompt"),
+                             (["x"] * 129, 1, "prompt"), (prompts, places, "prompt")):
+        r = post(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": prompt, "n": n})
+        assert_openai_error(r, 400, param)
+
+
 def test_n_choices_stream_by_index_and_match_the_non_streamed_reply(served_app):
     client = served_app.client()
     kw = dict(model=served_app.model_id, messages=CHAT, max_tokens=10, temperature=1.0, seed=5, n=2)

@@ -83,10 +83,14 @@ def test_request_defaults_and_aliases():
 def test_completion_prompt_forms():
     assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt == "hi"
-    with pytest.raises(ValidationError):
-        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
-    with pytest.raises(ValidationError):
-        CompletionRequest.model_validate({"model": "m", "prompt": ""})
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).prompt_list() == [[1, 2]]
+    # A batch of prompts: texts or lists of ids, each prompt's choices in order.
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).prompt_list() == ["a", "b"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1], [2, 3]]}).prompt_list() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "a"}).prompt_list() == ["a"]
+    for bad in ("", [], ["a", ""], [[1], []], [[1], [-2]], ["a"] * 129, ["a", [1]]):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"model": "m", "prompt": bad})
 
 
 CHAT_REQ = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -149,6 +149,7 @@ async def test_client_disconnect_cancels_the_upstream_stream():
 async def collect_n(ing, req, firsts, streams):
     calls = [_Call("completions", f"r{i}", 3) for i in range(len(firsts))]
     for call, first in zip(calls, firsts):
+        call.head = calls[0]  # n choices of one prompt
         call.on_delta(first)
     return [c async for c in ing._stream_body(req, calls, firsts, streams)]
 

@@ -429,6 +429,7 @@ class _Call:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if self.echo_only:
             return
         if self.first_token_at is None and delta.token_ids:
@@ -440,7 +441,6 @@ class _Call:
         self.num_output_tokens = max(
             self.num_output_tokens + len(delta.token_ids), delta.num_output_tokens
         )
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
 class _LocalStream:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -118,6 +119,16 @@ def test_echo_streams_the_prompt_in_each_choices_first_chunk(served_app):
         lines = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in lines if c["choices"]) == TEXT
     assert lines[-1]["usage"]["completion_tokens"] == 0
+    # Without logprobs an echo keeps KV reuse: a prompt served before is cached (counted
+    # in the usage, as for any request; the engines export its blocks as it ends).
+    long_text = " ".join([TEXT] * 4)
+    ok(served_app, "/v1/completions", {"prompt": long_text, "max_tokens": 1})
+    for _ in range(20):
+        usage = ok(served_app, "/v1/completions", {"prompt": long_text, "echo": True, "max_tokens": 0})["usage"]
+        if usage["prompt_tokens_details"]["cached_tokens"]:
+            break
+        time.sleep(0.25)
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0 and usage["completion_tokens"] == 0
 
 
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(served_app):

@@ -493,6 +493,9 @@ class Ingress:
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
         self._token_text = functools.lru_cache(maxsize=1 << 17)(lambda i: self._tokenizer.decode([i]))
+        # Such a token's text after the tokens before it (_logprob_text): an echoed
+        # prompt's are written twice (its logprobs and its prompt_logprobs).
+        self._piece_text = functools.lru_cache(maxsize=1 << 14)(self._piece_text_uncached)
         tools, reasoning = self._config.model.tool_call_parser, self._config.model.reasoning_parser
         # vLLM's parsers of the reply: tool calls under "auto", reasoning (an unknown name
         # fails the start here).
@@ -588,7 +591,12 @@ class Ingress:
         text = self._token_text(token_id)
         if not text.endswith(REPLACEMENT_CHAR):
             return text
+        return self._piece_text(token_id, tuple(context[-4:]))
+
+    def _piece_text_uncached(self, token_id: int, context: tuple) -> str:
+        """``_logprob_text`` of a token that decodes alone to a piece of a character."""
         decode = self._tokenizer.decode
+        context = list(context)
         for n in range(1, min(len(context), 4) + 1):
             before = context[-n:]
             full = decode(before + [token_id])

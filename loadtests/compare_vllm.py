@@ -326,11 +326,14 @@ def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str
     return out
 
 
-def alternate(systems: list[tuple[str, Any]], base_url: str, args, say) -> tuple[list[dict], list[dict]]:
+def alternate(
+    systems: list[tuple[str, Any]], base_url: str, args, say, measure_fn=None
+) -> tuple[list[dict], list[dict]]:
     """``args.rounds`` rounds; in each, every system (``(name, obj)`` with ``start`` and
-    ``stop``) is started, measured at every level and stopped, one at a time. The order
-    reverses every other round, so drift on a shared machine hits all alike. Returns the
-    levels and each start's seconds. SIGTERM ends it like Ctrl-C (KeyboardInterrupt);
+    ``stop``) is started, measured at every level (``measure_fn(base_url, name, round,
+    args)``, default :func:`measure`) and stopped, one at a time. The order reverses
+    every other round, so drift on a shared machine hits all alike. Returns the levels
+    and each start's seconds. SIGTERM ends it like Ctrl-C (KeyboardInterrupt);
     every system is stopped either way."""
 
     def on_sigterm(*_):
@@ -347,7 +350,7 @@ def alternate(systems: list[tuple[str, Any]], base_url: str, args, say) -> tuple
                 try:
                     startup_s = system.start(args.start_timeout_s)
                     startups.append({"system": name, "round": rnd, "startup_s": round(startup_s, 1)})
-                    levels += measure(base_url, name, rnd, args)
+                    levels += (measure_fn or measure)(base_url, name, rnd, args)
                 finally:
                     say(f"round {rnd}/{args.rounds}: stopping {name}")
                     system.stop()

@@ -216,6 +216,7 @@ async def test_logprobs_of_tokens_without_text_yet_go_with_the_next_chunk():
     ing = make_ingress()
     ing._tokenizer = ByteTokenizer({1: b"a", 2: b"\xc3", 3: b"\xa9", 4: b"d", 9: b"e"})
     ing._token_text = lambda i: ing._tokenizer.decode([i])
+    ing._piece_text = ing._piece_text_uncached
     req = CompletionRequest.model_validate({"model": "tiny-llama", "prompt": "x", "stream": True, "logprobs": 1})
     first = TokenDelta("a", [1], None, 3, 1, logprobs=[(-0.1, [(1, -0.1)])])
     stream = FakeStream([

@@ -1606,21 +1606,30 @@ class Ingress:
                 out.append(chunk(index, None, finish))
             return out
 
-        echo_open = [c.echo_text is not None for c in calls]  # its first chunk carries the prompt
+        echoing = calls[0].echo_text is not None  # a completion's echo: every choice's
+        echo_open = [echoing] * len(calls)  # its first chunk carries the prompt
+
+        def echoed(index: int, delta: TokenDelta) -> TokenDelta:
+            """Choice ``index``'s delta as an echo sends it: the prompt in front of the
+            first (its logprobs ahead of the chunk's own), the engine's one token out of
+            an echo with max_tokens 0."""
+            first = echo_open[index]
+            if first:
+                echo_open[index] = False
+                items = self._echo_logprob_items(req, calls[index].head) if want_logprobs else None
+                if items is not None:
+                    echo_head[index], offsets[index] = self._logprobs_json(chat, items)
+            if calls[index].echo_only:  # the engine's one token is not the client's
+                delta = dataclasses.replace(delta, text="", token_ids=[], logprobs=None)
+            if first:
+                delta = dataclasses.replace(delta, text=calls[index].echo_text + delta.text)
+            return delta
 
         def chunks(index: int, delta: TokenDelta) -> list[dict]:
             """The SSE chunks of choice ``index``'s delta (none for a delta with no text and
             no end: its logprobs go with the next chunk)."""
-            echo = echo_open[index]
-            if echo:
-                echo_open[index] = False
-                echoed = self._echo_logprob_items(req, calls[index].head) if want_logprobs else None
-                if echoed is not None:
-                    echo_head[index], offsets[index] = self._logprobs_json(chat, echoed)
-            if calls[index].echo_only:  # the engine's one token is not the client's
-                delta = dataclasses.replace(delta, text="", token_ids=[], logprobs=None)
-            if echo:
-                delta = dataclasses.replace(delta, text=calls[index].echo_text + delta.text)
+            if echoing:
+                delta = echoed(index, delta)
             if want_logprobs and delta.logprobs:
                 carried[index].extend(zip(delta.token_ids, delta.logprobs))
             if want_ids:

@@ -124,7 +124,10 @@ class ReplyParsing:
         # open (a template that ends its prompt with <think>). Set by the ingress.
         self.prompt_ids: Optional[list[int]] = None
         self._spare = None  # an unused instance, for the first reading
-        self._counter = None  # an instance that read a reply here, to count its reasoning
+        # An instance that only counts: it reads each reply whole, so the count does not
+        # depend on how a stream's deltas were cut (a streaming parser's own count did:
+        # one token less when the worker coalesced them otherwise).
+        self._counter = None
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -158,7 +161,7 @@ class ReplyParsing:
             return 0
 
     def parse(self, text: str) -> Parsed:
-        parser = self._counter = self._new()
+        parser = self._new()
         reasoning, content, calls = parser.parse(text, self.request, enable_auto_tools=self.tools)
         return Parsed(
             content or None,
@@ -168,7 +171,7 @@ class ReplyParsing:
         )
 
     def stream(self) -> "StreamedReply":
-        parser = self._counter = self._new()
+        parser = self._new()
         return StreamedReply(parser, self.request, self.prompt_ids)
 
 

@@ -299,6 +299,52 @@ def test_reasoning_tokens_are_counted_as_vllm_counts_them(tokenizer):
     assert "completion_tokens_details" not in tools_only._usage([done], chat())
 
 
+@pytest.mark.parametrize("text", [
+    "<think>Rome is warm today.</think>Take a hat.",
+    "Rome is warm today, and the river runs < slow > past the mill.",  # reasoning left open by the prompt
+    "Rome 🙂 is warm, café naïve 🙂🙂",  # characters in pieces: a delta with ids and no text yet
+])
+def test_a_streams_reasoning_count_does_not_depend_on_how_its_deltas_were_cut(tokenizer, text):
+    """The worker coalesces tokens into fewer deltas when the reader falls behind, so one
+    reply streams in different cuts; its usage's reasoning_tokens must be the same for
+    every cut, and the whole reply's (vLLM's streaming parser counted what it had emitted
+    as reasoning: one token less for some cuts)."""
+    from app.ingress import _Call
+    from deployments.compute.engines.protocol import TokenDelta
+    from tests.unit.test_ingress_stream import FakeStream, events
+
+    ing = parsing_ingress(tokenizer, tool_parser="pythonic", reasoning_parser="qwen3")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # Each token's text as the engines' detokenizers give it: none while a character is
+    # incomplete, then the whole character.
+    single, sent = [], ""
+    for n, i in enumerate(ids):
+        so_far = tokenizer.decode(ids[: n + 1])
+        new = "" if so_far.endswith("\ufffd") else so_far[len(sent):]
+        sent += new
+        single.append(TokenDelta(new, [i], "stop" if n == len(ids) - 1 else None, 5, n + 1))
+    whole = _Call("chat", "w", 5)
+    whole.output_ids = list(ids)
+    expected = ing._usage([whole], parsed_request(ing))["completion_tokens_details"]["reasoning_tokens"]
+    assert expected > 0
+    counts = []
+    for size in (1, 2, 3, 5, len(single)):
+        cut = [TokenDelta("".join(d.text for d in single[i:i + size]), [t for d in single[i:i + size] for t in d.token_ids],
+                          single[min(i + size, len(single)) - 1].finish_reason, 5, min(i + size, len(single)))
+               for i in range(0, len(single), size)]
+        req = parsed_request(ing, stream_options={"include_usage": True})
+        call = _Call("chat", f"r{size}", 5)
+        call.output_ids = []
+        call.on_delta(cut[0])
+
+        async def stream():
+            return events([c async for c in ing._stream_body(req, [call], [cut[0]], [FakeStream(cut[1:])])])
+
+        usage = [e for e in asyncio.run(stream()) if e != "[DONE]" and e.get("usage")][-1]["usage"]
+        counts.append(usage["completion_tokens_details"]["reasoning_tokens"])
+    assert counts == [expected] * len(counts)
+
+
 def test_a_parser_that_fails_leaves_the_reply_as_text(tokenizer, monkeypatch):
     def boom(self, text, token_ids, finished):  # passes "Weather" through, holds the rest, fails at "fine"
         self.text += text

@@ -333,6 +333,11 @@ def _prompt_tokens(calls: list["_Call"]) -> int:
     return sum(c.num_prompt_tokens for c in calls if c.head is c)
 
 
+def _cached_tokens(calls: list["_Call"]) -> int:
+    """Of those, the ones whose KV was reused (each prompt's once, as its tokens)."""
+    return sum(c.num_cached_tokens for c in calls if c.head is c)
+
+
 def _joined(head: dict, tail: dict) -> dict:
     """Two completions ``logprobs`` objects of consecutive tokens as one."""
     return {key: head[key] + tail[key] for key in head}
@@ -1074,7 +1079,7 @@ class Ingress:
         self._m.e2e.observe(end - call.received, tags=tags)
         usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant}
         self._m.prompt_tokens.inc(num_prompt, tags=usage_tags)
-        num_cached = sum(c.num_cached_tokens for c in calls if c.head is c)
+        num_cached = _cached_tokens(calls)
         if num_cached:
             self._m.cached_tokens.inc(num_cached, tags=usage_tags)
         if num_output:
@@ -1115,7 +1120,7 @@ class Ingress:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in calls if c.head is c)},
+            "prompt_tokens_details": {"cached_tokens": _cached_tokens(calls)},
         }
         if isinstance(req, ChatCompletionRequest) and self._reasoning_tokens_counted():
             # As vLLM's chat server reports them with a reasoning parser: every chat
@@ -1326,17 +1331,28 @@ class Ingress:
             gen_request.session_id = turn.session_id
             gen_request.session_continues = turn.expected_version > 0
             span.set_attribute("llm.session_id", turn.session_id)
-        gen_requests, calls, heads = [], [], []
-        for ids in [prompt_ids, *more_prompts]:
+        gen_requests, calls = [], []
+        sent = req.prompt_list() if isinstance(req, CompletionRequest) else [None]
+        echo = getattr(req, "echo", False)
+        for ids, prompt in zip([prompt_ids, *more_prompts], sent):
             first = gen_request if ids is prompt_ids else self._generation_request(req, ids, tenant)
             first.buffered = gen_request.buffered
             group = self._choice_requests(req, first)
             group_calls = [_Call(endpoint, g.request_id, len(ids), tenant) for g in group]
+            head = group_calls[0]
+            if req.return_token_ids:
+                head.prompt_ids = ids
+            if first.sampling.prompt_logprobs is not None:
+                head.prompt_logprob_ids = ids
+            # The text as sent (vLLM's), or the ids' text where ids were sent or cut.
+            echo_text = None if not echo else (
+                prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None else self._tokenizer.decode(ids))
             for c in group_calls:
-                c.head = group_calls[0]
+                c.head = head
+                if echo:
+                    c.echo_text, c.echo_only = echo_text, req.echo_only()
             gen_requests += group
             calls += group_calls
-            heads.append((group_calls[0], ids))
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
@@ -1355,19 +1371,6 @@ class Ingress:
             for c in calls:
                 if c.output_ids is None:
                     c.output_ids = []
-        sent = req.prompt_list() if isinstance(req, CompletionRequest) else [None]
-        for (head, ids), prompt in zip(heads, sent):
-            if req.return_token_ids:
-                head.prompt_ids = ids
-            if gen_request.sampling.prompt_logprobs is not None:
-                head.prompt_logprob_ids = ids
-            if getattr(req, "echo", False):
-                # The text as sent (vLLM's), or the ids' text where ids were sent or cut.
-                sent_whole = isinstance(prompt, str) and req.truncate_prompt_tokens is None
-                echo_text = prompt if sent_whole else self._tokenizer.decode(ids)
-                for c in calls:
-                    if c.head is head:
-                        c.echo_text, c.echo_only = echo_text, req.echo_only()
         if gen_request.sampling.prompt_logprobs is not None:
             span.set_attribute("llm.prompt_logprobs", gen_request.sampling.prompt_logprobs)
         early = None
@@ -1437,6 +1440,7 @@ class Ingress:
         choices = []
         tool_mode = req.tool_call_mode() if chat else None
         role = req.reply_role() if chat else None
+        prompt_logprobs = None  # the current prompt's (its head comes first among its choices)
         for i, (c, text) in enumerate(zip(calls, texts)):
             if chat:
                 message = {"role": role, "content": text}
@@ -1474,7 +1478,9 @@ class Ingress:
                         logprobs = _joined(head, self._logprobs_json(chat, c.logprob_items or [], offset)[0])
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
                 if c.head.prompt_logprobs is not None:  # vLLM's: on each choice, its prompt's
-                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs_json(c.head)
+                    if c.head is c:  # written once per prompt, shared by its choices
+                        prompt_logprobs = self._prompt_logprobs_json(c)
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs
                 if req.return_token_ids:  # vLLM's: a completion's choices carry the prompt's
                     choices[-1]["prompt_token_ids"] = c.head.prompt_ids
             if req.return_token_ids:

@@ -244,17 +244,21 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
+def _top(position: dict, k: int) -> list:
+    """The ``k`` of rank 1..k in one of vLLM's per-position dicts, most likely first."""
+    return sorted(
+        ((i, p.logprob) for i, p in position.items() if p.rank is not None and p.rank <= k),
+        key=lambda item: -item[1],
+    )[:k]
+
+
 def delta_logprobs(token_ids: list[int], positions, k: int) -> list:
     """protocol.TokenLogprobs of each new token from vLLM's per-position dicts
     ({token id: Logprob}: the sampled token and the ``k`` of rank 1..k)."""
     entries = []
     for token_id, position in zip(token_ids, positions or ()):
         chosen = position.get(token_id)
-        top = sorted(
-            ((i, p.logprob) for i, p in position.items() if p.rank is not None and p.rank <= k),
-            key=lambda item: -item[1],
-        )[:k]
-        entries.append((chosen.logprob if chosen is not None else float("-inf"), top))
+        entries.append((chosen.logprob if chosen is not None else float("-inf"), _top(position, k)))
     if len(entries) != len(token_ids):
         raise EngineError(f"vLLM returned logprobs for {len(entries)} of {len(token_ids)} tokens")
     return entries
@@ -272,11 +276,7 @@ def prompt_logprob_entries(token_ids: list[int], positions, k: int) -> list:
         chosen = position.get(token_id) if position else None
         if chosen is None:
             raise EngineError("vLLM's prompt logprobs miss a prompt token")
-        top = sorted(
-            ((i, p.logprob) for i, p in position.items() if p.rank is not None and p.rank <= k),
-            key=lambda item: -item[1],
-        )[:k]
-        entries.append((chosen.logprob, int(chosen.rank), top))
+        entries.append((chosen.logprob, int(chosen.rank), _top(position, k)))
     return entries
 
 

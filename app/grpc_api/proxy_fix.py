@@ -105,7 +105,7 @@ async def _cancel(inner) -> None:
     if response is not None and local.get("status") is None and not response.cancelled():
         response.cancel()
         _count_cancel()
-        logger.debug("cancelled the replica call of a gRPC stream closed mid-write")
+        logger.info("cancelled the replica call of a gRPC stream closed mid-write")
     try:
         # Ray's generator takes it as a client that went away: status CANCELLED, its span
         # and tracing finished; it then yields that status, which goes nowhere.

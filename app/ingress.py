@@ -297,6 +297,12 @@ class _Responding:
     input_items: list[dict]
     store: Optional[SessionClient]
 
+    @property
+    def kv_owner(self) -> Optional[str]:
+        """A stored response lists the KV blocks computed for it under its id, so its
+        DELETE erases them (as a session's does); an unstored one leaves them to age out."""
+        return self.response_id if self.store is not None else None
+
 
 class _SessionMoved(Exception):
     """The store's record of a session is newer than the one this ingress built a turn's
@@ -1239,7 +1245,7 @@ class Ingress:
                 try:
                     calls, streams, firsts = await self._start(
                         endpoint, req, span, tenant, prompt_ids, turn, check, received, started, session_lookup,
-                        more_prompts,
+                        more_prompts, kv_owner=responding.kv_owner if responding is not None else None,
                     )
                 except Exception as e:
                     if check is None:
@@ -1316,14 +1322,19 @@ class Ingress:
         started: float,
         session_lookup: Optional[SessionLookup] = None,
         more_prompts: Sequence[list[int]] = (),
+        kv_owner: Optional[str] = None,
     ):
         """Hand the request's choices to the router and wait for each one's first delta
         (so that a rejection keeps its status code). ``check``: what the router awaits
         before the worker call (see ``_chat_prompt``); ``session_lookup``: see
         ``_start_session_lookup``; ``more_prompts``: a completion's further prompts, whose
-        choices follow the first prompt's (``n`` each). Returns the calls, their streams
-        and their first deltas."""
+        choices follow the first prompt's (``n`` each); ``kv_owner``: a stored response's
+        id, which lists the blocks computed for it (``GenerationRequest.kv_owner``).
+        Returns the calls, their streams and their first deltas."""
         gen_request = self._generation_request(req, prompt_ids, tenant)
+        if kv_owner is not None:
+            gen_request.kv_owner = kv_owner
+            span.set_attribute("llm.kv_owner", kv_owner)
         # A non-streaming client sees nothing before the end, so the router may
         # run it again if its worker dies mid-way (see Router._stream_with_retry).
         gen_request.buffered = not req.stream

@@ -217,6 +217,46 @@ def test_store_false_and_delete_leave_nothing_to_read_or_continue(served_app):
              "the stored responses' ops in /metrics")
 
 
+def test_deleting_a_stored_response_erases_the_kv_blocks_computed_for_it(served_app, redis_client):
+    """A stored response lists the KV blocks its request computed under its id, as a
+    session turn does, and its DELETE erases them from L3 (and L2, and the torch
+    workers' L1); an unstored response lists none (nothing can delete it)."""
+    import random
+
+    from deployments.dataplane import keys
+
+    rng = random.Random()
+
+    def text() -> str:  # blocks no other test has
+        return " ".join(f"w{rng.randrange(10**6)}" for _ in range(40))
+
+    unstored = create(served_app, input=text(), store=False, max_output_tokens=4)
+    assert unstored.status_code == 200, unstored.text
+    kept = create(served_app, input=text(), max_output_tokens=4)
+    assert kept.status_code == 200, kept.text
+    rid = kept.json()["id"]
+    listed = keys.session_blocks_key("default", rid)
+    wait_for(lambda: redis_client.scard(listed), 30, "the response's blocks listed under it")
+    # The prompt's whole blocks at least (40 words: several blocks of 16 tokens).
+    members = [m.decode() for m in redis_client.smembers(listed)]
+    assert len(members) >= 3, members
+    payloads = [keys.block_key("default", keys.split_session_block_member(m)[1]) for m in members]
+    # Written behind to L3 (the torch engine's blocks reach Redis through L2).
+    wait_for(lambda: redis_client.exists(*payloads) == len(payloads), 30, "the response's blocks in L3")
+    # Exported before the stored one's (one worker, in order): listed under nothing.
+    assert not redis_client.exists(keys.session_blocks_key("default", unstored.json()["id"]))
+
+    worker = worker_handle("llm") if served_app.engine == "torch" else None
+    dropped_before = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"] if worker else 0
+    r = httpx.delete(f"{served_app.base_url}/v1/responses/{rid}", timeout=30)
+    assert r.status_code == 200, r.text
+    assert not redis_client.exists(listed)
+    assert redis_client.exists(*payloads) == 0
+    if worker is not None:
+        dropped = worker.kv_stats.remote().result(timeout_s=30)["l1_dropped_blocks"] - dropped_before
+        assert dropped >= len(members), (dropped, len(members))
+
+
 def test_a_named_function_call_and_its_output_continue_the_response(served_app):
     tool = {"type": "function", "name": "get_weather", "description": "Weather of a city",
             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},

@@ -214,6 +214,8 @@ def test_kv_transfer_params_carry_tenant_and_session():
 
     assert kv_transfer_params(req()) == {"tenant": "default"}
     assert kv_transfer_params(req(tenant="acme", session_id="s1")) == {"tenant": "acme", "session_id": "s1"}
+    # A stored response's blocks are listed under its id (its DELETE erases them).
+    assert kv_transfer_params(req(kv_owner="resp_1")) == {"tenant": "default", "session_id": "resp_1"}
 
 
 def test_sampling_params_mapping():

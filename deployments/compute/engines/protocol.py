@@ -95,6 +95,10 @@ class GenerationRequest:
     # Whose request: KV blocks are keyed per tenant, so tenants never share cache.
     tenant: str = "default"
     session_id: Optional[str] = None
+    # The stored record whose DELETE erases the KV blocks this request computes (the
+    # data plane lists them under it): a stored response's id; None: the session's
+    # (``session_id``), or nobody's for a stateless request (its blocks age out).
+    kv_owner: Optional[str] = None
     # The prompt starts with a session's stored history: the previous turn's blocks were
     # exported moments ago (the router always looks those up, see kv_lookup_skip).
     session_continues: bool = False
@@ -117,6 +121,11 @@ class GenerationRequest:
     # prompt's first block, so a data-plane lookup would miss for certain; the engine
     # skips it (its own L1 still counts). deployments/dataplane/root_index.py.
     kv_lookup_skip: bool = False
+
+    @property
+    def blocks_owner(self) -> Optional[str]:
+        """The record that lists this request's computed blocks (see ``kv_owner``)."""
+        return self.kv_owner or self.session_id
 
 
 @dataclass(slots=True)

@@ -812,8 +812,9 @@ class TorchEngine(Engine):
         span: torch.Tensor,
         session_id: Optional[str] = None,
     ) -> None:
-        """Encode and save one finished request's new blocks (listed under its session, if
-        it names one, so deleting the session erases them)."""
+        """Encode and save one finished request's new blocks (listed under its session or
+        stored response, ``GenerationRequest.blocks_owner``, if it has one, so deleting
+        that erases them)."""
         try:
             root, hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
             self._kv.save(tenant, hashes, blocks, session_id, chain_root=root)
@@ -1275,7 +1276,7 @@ class TorchEngine(Engine):
             )
             token_ids = (seq.prompt_token_ids + seq.output_token_ids)[: num_blocks * bs]
             export = functools.partial(
-                self._export, req.request.tenant, token_ids, first_block, span, req.request.session_id
+                self._export, req.request.tenant, token_ids, first_block, span, req.request.blocks_owner
             )
             req.loop.call_soon_threadsafe(self._start_export, export)
         except Exception:  # noqa: BLE001 - exporting is best effort

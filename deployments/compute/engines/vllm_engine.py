@@ -186,8 +186,9 @@ def engine_args_kwargs(
 def kv_transfer_params(request: GenerationRequest) -> dict[str, Any]:
     """What the connector reads per request (``SamplingParams.extra_args``)."""
     params: dict[str, Any] = {"tenant": request.tenant or "default"}
-    if request.session_id:
-        params["session_id"] = request.session_id
+    if request.blocks_owner:
+        # The connector lists the blocks it saves under it (a session, a stored response).
+        params["session_id"] = request.blocks_owner
     return params
 
 

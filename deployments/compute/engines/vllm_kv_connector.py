@@ -13,8 +13,9 @@ Contract
   hash the torch engine uses, in a namespace of its own (vLLM's layout differs).
 * Keys and write order = ``redis_store.put_blocks``: payload ``llm:<t>:kv:<h>`` first, then
   index ``llm:<t>:kvi:<h>`` (payload length), payload TTL = index TTL + 60 s; when the
-  request names a session, ``<hash0>|<h>`` joins ``llm:<t>:sess:<id>:blocks`` so deleting
-  the session deletes them. So the DataPlane's lookup/get/delete see these blocks too.
+  request names a session (or is a response to store: its id, ``blocks_owner``),
+  ``<hash0>|<h>`` joins ``llm:<t>:sess:<id>:blocks`` so deleting the session (the
+  response) deletes them. So the DataPlane's lookup/get/delete see these blocks too.
 * Tenant and session come per request in ``SamplingParams.extra_args["kv_transfer_params"]``
   (``{"tenant": ..., "session_id": ...}``); tenant defaults to ``"default"``.
 * Scheduler: ``get_num_new_matched_tokens`` computes the prompt's block hashes (at most

@@ -117,6 +117,74 @@ def test_completion_over_grpc_takes_token_ids_and_extra_fields_as_rest_does(serv
     assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens == 5
 
 
+def close(got, want) -> bool:
+    """The same JSON value, floats within 1e-4 (a Struct's numbers are all doubles)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(close(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(close, got, want))
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        return isinstance(got, (int, float)) and abs(got - want) <= 1e-4
+    return got == want
+
+
+def test_echo_prompt_logprobs_and_a_batch_of_prompts_over_grpc_are_the_rest_answers(served_app, stub):
+    """What an evaluation harness sends (the prompt's ids echoed with their logprobs,
+    max_tokens 1 or 0) and a batch of prompts: the REST answers, field by field."""
+    from google.protobuf import json_format
+
+    ids = [11, 12, 13, 14, 15, 16]
+    want = rest(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": ids, "max_tokens": 1,
+                                                "temperature": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 2})
+    got = stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt_token_ids=ids, max_tokens=1, temperature=0,
+                                               echo=True, logprobs=1, prompt_logprobs=2), metadata=APP, timeout=120)
+    [choice], [wanted] = got.choices, want["choices"]
+    assert choice.text == wanted["text"] and choice.finish_reason == wanted["finish_reason"]
+    logprobs = json_format.MessageToDict(choice.logprobs)
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["tokens"]) == len(ids) + 1
+    assert close(logprobs, wanted["logprobs"]), (logprobs, wanted["logprobs"])
+    prompt_logprobs = json_format.MessageToDict(choice.prompt_logprobs)
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    assert close(prompt_logprobs, wanted["prompt_logprobs"]), (prompt_logprobs, wanted["prompt_logprobs"])
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 1
+
+    # max_tokens 0 with echo: the prompt alone.
+    alone = stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt="the prompt alone", max_tokens=0, echo=True),
+                            metadata=APP, timeout=120)
+    assert alone.choices[0].text == "the prompt alone" and alone.usage.completion_tokens == 0
+    # Streamed: the first chunk carries the prompt.
+    chunks = list(stub.CompletionStream(pb.CompletionRequest(model="tiny-llama", prompt="abc", max_tokens=3,
+                                                             temperature=0, echo=True), metadata=APP, timeout=120))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith("abc")
+    unary = stub.Completion(pb.CompletionRequest(model="tiny-llama", prompt="abc", max_tokens=3, temperature=0),
+                            metadata=APP, timeout=120)
+    assert "".join(texts) == "abc" + unary.choices[0].text
+
+    # Chat: prompt_logprobs at the top of the response.
+    body = {"model": served_app.model_id, "messages": [{"role": "user", "content": "score me"}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 1}
+    want = rest(served_app, "/v1/chat/completions", body)
+    got = stub.ChatCompletion(chat("score me", max_tokens=2, prompt_logprobs=1), metadata=APP, timeout=120)
+    assert close(json_format.MessageToDict(got.prompt_logprobs), want["prompt_logprobs"])
+    # Not streamed, as with REST (and vLLM).
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.ChatCompletionStream(chat("score me", max_tokens=2, prompt_logprobs=1), metadata=APP, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert trailing(e.value)["llm-error-param"] == "prompt_logprobs"
+
+    # A batch of prompts, in `extra`: each prompt's n choices, by index.
+    prompts = ["first of two", "second of two"]
+    want = rest(served_app, "/v1/completions", {"model": served_app.model_id, "prompt": prompts, "n": 2,
+                                                "max_tokens": 3, "temperature": 0})
+    extra = struct_pb2.Struct()
+    extra.update({"prompt": prompts})
+    got = stub.Completion(pb.CompletionRequest(model="tiny-llama", n=2, max_tokens=3, temperature=0, extra=extra),
+                          metadata=APP, timeout=120)
+    assert [(c.index, c.text) for c in got.choices] == [(c["index"], c["text"]) for c in want["choices"]]
+    assert len(got.choices) == 4 and got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+
+
 def test_errors_are_grpc_status_codes_with_the_errors_fields(served_app, stub):
     cases = [
         (chat("x", temperature=9), grpc.StatusCode.INVALID_ARGUMENT, {"llm-error-param": "temperature"}),

@@ -151,6 +151,14 @@ class EngineConfig(_Strict):
         le=4096,
         description="Most sequences the engine runs at once (continuous batch size).",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="Which waiting request an engine starts next when a slot frees (vLLM's "
+        "option, on both engines). `fcfs`: arrival order, and a request's `priority` other "
+        "than 0 is a 400. `priority`: the lowest `priority` first (vLLM's meaning: lower is "
+        "sooner; the default 0), arrival order among equals; vLLM also preempts the lowest "
+        "running request first when its KV cache runs out.",
+    )
     num_threads: Optional[int] = Field(
         default=None,
         ge=1,

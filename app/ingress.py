@@ -256,7 +256,8 @@ class _Metrics:
             "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
             "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids), prompt_logprobs "
-            "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply).",
+            "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply), "
+            "priority (a priority other than 0, engine.scheduling_policy priority).",
             tag_keys=("endpoint", "feature"),
         )
         self.reply_parses = metrics.Counter(
@@ -391,6 +392,8 @@ def request_features(req, sampling) -> list[str]:
         features.append("prompt_logprobs")
     if getattr(req, "echo", False):
         features.append("echo")
+    if req.priority:
+        features.append("priority")
     return features
 
 
@@ -718,6 +721,12 @@ class Ingress:
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
         refuse_unsupported(req)
         self._check_model(req.model)
+        if req.priority and self._config.engine.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"'priority' ({req.priority}) needs engine.scheduling_policy: priority; this server "
+                "starts requests in arrival order (fcfs). Leave it out or send 0.",
+                param="priority",
+            )
         if len(req.stop) > self._config.limits.max_stop_sequences:
             raise InvalidRequestError(
                 f"At most {self._config.limits.max_stop_sequences} stop sequences are allowed.",
@@ -779,6 +788,7 @@ class Ingress:
             ),
             trace_headers=telemetry.inject_context(),
             tenant=tenant,
+            priority=req.priority or 0,
         )
 
     @staticmethod
@@ -1405,6 +1415,8 @@ class Ingress:
             span.set_attribute("llm.logprobs", sampling.logprobs)
         if sampling.structured_output is not None:
             span.set_attribute("llm.structured_output", sampling.structured_output[0])
+        if req.priority:
+            span.set_attribute("llm.priority", req.priority)
         streams = [
             _LocalStream(self._router.generate(g, gate=check, session_lookup=early if i == 0 else None))
             for i, g in enumerate(gen_requests)

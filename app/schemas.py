@@ -79,6 +79,9 @@ class _Request(BaseModel):
     # vLLM's: each prompt token's log-probability, rank and this many alternatives (the
     # reply's prompt_logprobs). Not in a stream, as vLLM's server refuses it there.
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: under engine.scheduling_policy priority, lower starts sooner (the ingress
+    # refuses a value other than 0 under fcfs).
+    priority: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -297,8 +300,6 @@ _UNSUPPORTED_ANY = {
     "thinking_token_budget": (_unset, "null"),
     "watermarking": (_unset, "null"),
     "repetition_detection": (_unset, "null"),
-    # vLLM refuses a priority other than 0 unless it schedules by priority.
-    "priority": (_one_of(0), "0 (requests are served in arrival order)"),
     # Isolation of cached KV: here per API key (a tenant's blocks are its own).
     "cache_salt": (_unset, "null (KV caches are kept apart per API key)"),
     "return_tokens_as_token_ids": (_false, "false"),

@@ -719,6 +719,8 @@ def test_a_lone_surrogate_escape_is_400_naming_where(served_app, path, raw, para
         ({"max_tokens": "4"}, "max_tokens"),
         ({"stream": "true"}, "stream"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        # Served under engine.scheduling_policy priority only (the shared app's is fcfs).
+        ({"priority": 3}, "priority"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
@@ -735,7 +737,6 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         # vLLM's fields no engine here applies (app/schemas.py's table).
-        ("/v1/chat/completions", {"priority": 3}, "priority"),
         ("/v1/chat/completions", {"cache_salt": "user-7"}, "cache_salt"),
         ("/v1/completions", {"bad_words": ["fox"]}, "bad_words"),
     ],

@@ -15,7 +15,16 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.torch_engine import TorchEngine
-from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, thread_nices, wait_until
+from tests.fixtures.engines import (
+    PROMPTS,
+    collect,
+    encode,
+    hf_greedy,
+    make_request,
+    start_order,
+    thread_nices,
+    wait_until,
+)
 
 @pytest_asyncio.fixture
 async def engine(tiny_model_path):
@@ -302,6 +311,21 @@ async def test_cpu_nice_lowers_the_loop_and_its_compute_threads_only(tiny_model_
         assert nice[threading.get_native_id()] == base
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy, want", [("fcfs", [0, 1, 2, 3]), ("priority", [1, 3, 2, 0])])
+async def test_waiting_requests_start_by_priority_under_the_priority_policy(tiny_model_path, policy, want):
+    """Under ``priority`` the lowest value starts first, arrival order among equals;
+    under ``fcfs`` (the default) arrival order alone."""
+    eng = TorchEngine(str(tiny_model_path), max_num_seqs=2, num_threads=2, scheduling_policy=policy)
+    await eng.start()
+    try:
+        ids = encode(eng, PROMPTS[0])
+        order = await start_order(eng, ids, [5, -1, 0, -1], slots=2, max_tokens=eng.max_model_len - len(ids) - 1)
+    finally:
+        await eng.shutdown()
+    assert order == want
 
 
 def test_cpu_nice_out_of_range_is_rejected(tiny_model_path):

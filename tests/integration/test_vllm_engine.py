@@ -34,7 +34,7 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.vllm_engine import VLLMEngine
-from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, wait_until
+from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, start_order, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
@@ -277,6 +277,32 @@ async def test_slow_consumer_gets_coalesced_deltas(engine):
 
 
 # Keep last: it kills the module's EngineCore.
+async def test_waiting_requests_start_in_arrival_order_under_fcfs(engine):
+    """vLLM's default policy: a request's priority changes nothing."""
+    ids = encode(engine, PROMPTS[0])
+    order = await start_order(engine, ids, [5, -1, 0], slots=MAX_NUM_SEQS, max_tokens=MAX_MODEL_LEN - len(ids) - 1)
+    assert order == [0, 1, 2]
+
+
+async def test_waiting_requests_start_by_priority_under_the_priority_policy(tiny_model_path):
+    """engine.scheduling_policy priority reaches vLLM's scheduler, and a request's
+    priority reaches vLLM: the lowest value starts first, arrival order among equals."""
+    config = AppConfig.model_validate({
+        "model": {"path": str(tiny_model_path), "max_model_len": MAX_MODEL_LEN},
+        "engine": {"name": "vllm", "max_num_seqs": 2, "scheduling_policy": "priority",
+                   "vllm": {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.25}},
+        "dataplane": {"kv_reuse": False},
+    })
+    eng = VLLMEngine.from_app_config(config)
+    await eng.start()
+    try:
+        ids = encode(eng, PROMPTS[0])
+        order = await start_order(eng, ids, [5, -1, 0, -1], slots=2, max_tokens=MAX_MODEL_LEN - len(ids) - 1)
+    finally:
+        await asyncio.wait_for(eng.shutdown(), 60)
+    assert order == [1, 3, 2, 0]
+
+
 async def test_dead_engine_core_fails_health_and_requests(engine):
     import psutil
 

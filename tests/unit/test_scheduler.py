@@ -108,3 +108,30 @@ def test_num_tokens_counts_prompt_and_output():
     sched.append_token(seq, 3)
     sched.append_token(seq, 4)
     assert seq.num_tokens == 7 and seq.output_token_ids == [3, 4]
+
+
+@pytest.mark.parametrize("policy, want", [("fcfs", ["r0", "r1", "r2", "r3", "r4"]),
+                                          ("priority", ["r1", "r3", "r2", "r4", "r0"])])
+def test_the_priority_policy_admits_the_lowest_value_first_and_equals_in_arrival_order(policy, want):
+    sched = Scheduler(max_num_seqs=1, max_model_len=64, policy=policy)
+    for s, priority in zip(create_seqs(5), [5, -1, 0, -1, 0]):
+        s.priority = priority
+        sched.add(s)
+    assert ids(sched.waiting) == want
+    started = []
+    while sched.has_work():
+        [seq] = sched.schedule().prefill
+        started.append(seq.request_id)
+        sched.finish(seq)
+    assert started == want
+    # An abort takes a waiting sequence out of the order, wherever it is.
+    for s, priority in zip(create_seqs(3), [2, 1, 0]):
+        s.priority = priority
+        sched.add(s)
+    sched.abort("r1")
+    assert ids(sched.waiting) == (["r0", "r2"] if policy == "fcfs" else ["r2", "r0"])
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(max_num_seqs=1, max_model_len=64, policy="lifo")

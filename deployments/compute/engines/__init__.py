@@ -13,6 +13,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
     return TorchEngine(
         str(config.model.resolved_path()),
         max_num_seqs=config.engine.max_num_seqs,
+        scheduling_policy=config.engine.scheduling_policy,
         device=config.engine.device,
         dtype=config.model.dtype,
         # Default: as many threads as CPUs Ray reserved for the replica.

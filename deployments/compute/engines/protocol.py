@@ -94,6 +94,8 @@ class GenerationRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     # Whose request: KV blocks are keyed per tenant, so tenants never share cache.
     tenant: str = "default"
+    # Under ``engine.scheduling_policy: priority``: lower starts sooner (vLLM's meaning).
+    priority: int = 0
     session_id: Optional[str] = None
     # The stored record whose DELETE erases the KV blocks this request computes (the
     # data plane lists them under it): a stored response's id; None: the session's

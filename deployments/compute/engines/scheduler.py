@@ -3,8 +3,9 @@
 Pure bookkeeping (no torch, no threads), so every state is unit-testable. The engine's
 loop owns one scheduler and is its only caller; each step it:
 
-1. ``schedule()`` — admits waiting sequences (FIFO) while fewer than ``max_num_seqs``
-   run; returns the newly admitted ones (to prefill) and all running ones (to decode);
+1. ``schedule()`` — admits waiting sequences while fewer than ``max_num_seqs`` run (in
+   arrival order; by ``priority``, lowest first, then arrival, under the ``priority``
+   policy); returns the newly admitted ones (to prefill) and all running ones (to decode);
 2. runs the model and appends one token per running sequence (``append_token``);
 3. ``finish()`` / ``abort()`` — a sequence that is done leaves the running set at once,
    so its slot is free for the very next ``schedule()``.
@@ -48,6 +49,8 @@ class Sequence:
     max_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    # Under the ``priority`` policy: lower starts sooner (vLLM's meaning).
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,10 +69,16 @@ class SchedulerOutput:
     running: list[Sequence]
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_model_len: int):
+    def __init__(self, max_num_seqs: int, max_model_len: int, policy: str = "fcfs"):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -97,7 +106,15 @@ class Scheduler:
             raise ValueError("empty prompt")
         check_fits(len(seq.prompt_token_ids), seq.max_tokens, self.max_model_len)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            # After every waiting sequence of the same or a lower priority value (arrival
+            # order among equals); the common case, all equal, is an append.
+            i = len(self.waiting)
+            while i and self.waiting[i - 1].priority > seq.priority:
+                i -= 1
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
     def schedule(self) -> SchedulerOutput:

@@ -245,6 +245,7 @@ class TorchEngine(Engine):
         kv_arena_bytes: int = 0,
         warmup_prefill_tokens: int = 0,
         cudnn_attention: bool = False,
+        scheduling_policy: str = "fcfs",
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -296,7 +297,7 @@ class TorchEngine(Engine):
         self._grammar: Optional[GrammarCompiler] = None
         self._grammar_lock = asyncio.Lock()
 
-        self._scheduler = Scheduler(max_num_seqs, self.max_model_len)
+        self._scheduler = Scheduler(max_num_seqs, self.max_model_len, scheduling_policy)
         self._batch = _Batch()
         # Waiting and running requests, by id (loop thread only).
         self._reqs_by_id: dict[str, _Request] = {}
@@ -561,7 +562,8 @@ class TorchEngine(Engine):
         params = request.sampling
         constraint = await self._constraint(params) if params.structured_output else None
         req = _Request(
-            seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens),
+            seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens,
+                         priority=request.priority),
             request=request,
             detokenizer=IncrementalDetokenizer(
                 self._decode if params.skip_special_tokens else self._decode_all, params.stop, params.min_tokens,

@@ -129,6 +129,7 @@ def engine_args_kwargs(
     options: "VLLMOptions",
     on_cpu: bool,
     kv_transfer: Optional[dict[str, Any]] = None,
+    scheduling_policy: str = "fcfs",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for our config (pure: no vLLM import).
 
@@ -142,6 +143,7 @@ def engine_args_kwargs(
         "tokenizer": model_path,
         "dtype": dtype,
         "max_num_seqs": max_num_seqs,
+        "scheduling_policy": scheduling_policy,
         "tensor_parallel_size": options.tensor_parallel_size,
         "pipeline_parallel_size": options.pipeline_parallel_size,
         "gpu_memory_utilization": options.gpu_memory_utilization,
@@ -385,6 +387,7 @@ class VLLMEngine(Engine):
             dtype=config.model.dtype,
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.engine.max_num_seqs,
+            scheduling_policy=config.engine.scheduling_policy,
             options=config.engine.vllm,
             on_cpu=on_cpu,
             kv_transfer=kv_transfer,
@@ -589,7 +592,7 @@ class VLLMEngine(Engine):
         all_token_ids: list[int] = []
         streamed = ""
         self._active_ids.add(request.request_id)
-        stream = llm.generate(prompt, params, request.request_id)
+        stream = llm.generate(prompt, params, request.request_id, priority=request.priority)
         try:
             while True:
                 try:

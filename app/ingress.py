@@ -257,7 +257,8 @@ class _Metrics:
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
             "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids), prompt_logprobs "
             "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply), "
-            "priority (a priority other than 0, engine.scheduling_policy priority).",
+            "priority (a priority other than 0, engine.scheduling_policy priority), "
+            "cache_salt (KV reused only with the same salt).",
             tag_keys=("endpoint", "feature"),
         )
         self.reply_parses = metrics.Counter(
@@ -394,6 +395,8 @@ def request_features(req, sampling) -> list[str]:
         features.append("echo")
     if req.priority:
         features.append("priority")
+    if req.cache_salt:
+        features.append("cache_salt")
     return features
 
 
@@ -415,6 +418,8 @@ class _Call:
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
         self.turn: Optional[PendingTurn] = None
+        # A session turn's cache_salt (its blocks' hashes cover it; never logged).
+        self.cache_salt: Optional[str] = None
         # A session turn's prompt ids, and its generated ids (stored with the reply, see
         # sessions.py).
         self.prompt_ids: Optional[list[int]] = None
@@ -789,6 +794,7 @@ class Ingress:
             trace_headers=telemetry.inject_context(),
             tenant=tenant,
             priority=req.priority or 0,
+            cache_salt=req.cache_salt,
         )
 
     @staticmethod
@@ -1026,7 +1032,7 @@ class Ingress:
             # The next turn's prompt repeats this prompt and these reply ids exactly: its
             # KV lookup of them may start before that prompt is built (the router's).
             self._router.remember_session_turn(
-                sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids
+                sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids, call.cache_salt
             )
 
     def _completion_prompt_ids(self, req: CompletionRequest, prompt) -> list[int]:
@@ -1384,6 +1390,7 @@ class Ingress:
         if turn is not None:
             call.output_ids = []
             call.prompt_ids = prompt_ids
+            call.cache_salt = req.cache_salt
         elif getattr(req, "history", None) is not None:
             call.output_ids = []  # a Responses reply, stored with its ids
         parsing = getattr(req, "reply_parsing", None)

@@ -82,6 +82,9 @@ class _Request(BaseModel):
     # vLLM's: under engine.scheduling_policy priority, lower starts sooner (the ingress
     # refuses a value other than 0 under fcfs).
     priority: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    # vLLM's: cached KV (every tier, both engines) is reused only by requests of the same
+    # tenant that send the same salt (kv.block_hashes); a secret of the client's.
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -300,8 +303,6 @@ _UNSUPPORTED_ANY = {
     "thinking_token_budget": (_unset, "null"),
     "watermarking": (_unset, "null"),
     "repetition_detection": (_unset, "null"),
-    # Isolation of cached KV: here per API key (a tenant's blocks are its own).
-    "cache_salt": (_unset, "null (KV caches are kept apart per API key)"),
     "return_tokens_as_token_ids": (_false, "false"),
     "return_token_offsets": (_false, "false"),
     "return_prompt_text": (_false, "false"),

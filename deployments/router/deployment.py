@@ -263,7 +263,9 @@ class Router:
         dc = self._config.dataplane
         if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
             return []
-        return block_hashes(self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size)
+        return block_hashes(
+            self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size, request.cache_salt
+        )
 
     async def _start_lookup_call(self, tenant: str, hashes: list[str]):
         """Call the data plane's lookup of ``hashes`` (with references, for the worker)
@@ -400,15 +402,18 @@ class Router:
         lookup.task.cancel()
         self._m_session_lookups.inc(tags={"result": "stale"})
 
-    def remember_session_turn(self, tenant: str, session_id: str, version: int, token_ids: list[int]) -> None:
+    def remember_session_turn(
+        self, tenant: str, session_id: str, version: int, token_ids: list[int], salt: Optional[str] = None
+    ) -> None:
         """Keep the block hashes of a session turn (``token_ids``: its prompt and the
-        reply's ids as stored with the session, which the next turn's prompt repeats)
-        and the session's ``version`` after it, for :meth:`start_session_lookup`. Only
-        where this router's lookups go through the data plane (the torch engine)."""
+        reply's ids as stored with the session, which the next turn's prompt repeats;
+        ``salt``: the turn's ``cache_salt``) and the session's ``version`` after it, for
+        :meth:`start_session_lookup`. Only where this router's lookups go through the
+        data plane (the torch engine)."""
         dc = self._config.dataplane
         if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
             return
-        chain = block_hashes(self._config.model.id, tenant, token_ids, dc.block_size)
+        chain = block_hashes(self._config.model.id, tenant, token_ids, dc.block_size, salt)
         if not chain:
             return
         key = (tenant, session_id)

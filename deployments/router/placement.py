@@ -794,7 +794,8 @@ class QueueAwareRequestRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,va
         from deployments.compute.engines.kv import block_hashes
 
         # As the engine looks them up: every prompt token but the last.
-        hashes = block_hashes(self._model_id, request.tenant, request.prompt_token_ids[:-1], self._block_size)
+        hashes = block_hashes(self._model_id, request.tenant, request.prompt_token_ids[:-1], self._block_size,
+                              getattr(request, "cache_salt", None))
         return [block_key(h) for h in hashes]
 
     async def choose_replicas(

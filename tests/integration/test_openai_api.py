@@ -737,7 +737,6 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         # vLLM's fields no engine here applies (app/schemas.py's table).
-        ("/v1/chat/completions", {"cache_salt": "user-7"}, "cache_salt"),
         ("/v1/completions", {"bad_words": ["fox"]}, "bad_words"),
     ],
 )

@@ -352,6 +352,14 @@ async def test_a_sessions_next_turn_goes_with_the_lookup_started_before_its_prom
     (tenant, hashes), kwargs = dp.lookup_prefix.calls[0]
     assert hashes == chain and kwargs["shard_key"] == chain[0] and kwargs["with_refs"] is True
 
+    # A turn with a cache_salt keeps the salted chain (the hashes its blocks have).
+    router.remember_session_turn("default", "sess_salted", 2, FIRST + REPLY, "s3cret")
+    salted = router.start_session_lookup("default", "sess_salted", version=2)
+    salted_chain = block_hashes(router._config.model.id, "default", FIRST + REPLY, 16, "s3cret")
+    assert salted_chain != chain and await salted.task == ("default", salted_chain, "lookup-ref")
+    router.drop_session_lookup(salted)
+    dp.lookup_prefix.calls.pop()
+
     second = _turn(FIRST + REPLY + NEW)  # the history, then the new messages
     _ = [d async for d in router.generate(second, session_lookup=lookup.task)]
     assert len(dp.lookup_prefix.calls) == 1  # no lookup of the new prompt

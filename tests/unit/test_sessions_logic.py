@@ -95,3 +95,16 @@ def test_block_hashes_chain_and_tenant_isolation():
     assert block_hashes("m", "t2", tokens, 16)[0] != h[0]
     assert block_hashes("m2", "t1", tokens, 16)[0] != h[0]
     assert block_hashes("m", "t1", tokens[:15], 16) == []
+
+
+def test_a_cache_salt_is_in_every_block_hash():
+    """vLLM's cache_salt: the same tokens share blocks only under the same salt (and
+    tenant); no salt is the unsalted chain."""
+    tokens = list(range(40))
+    plain = block_hashes("m", "t1", tokens, 16)
+    assert block_hashes("m", "t1", tokens, 16, None) == plain
+    salted = block_hashes("m", "t1", tokens, 16, "s3cret")
+    assert block_hashes("m", "t1", tokens, 16, "s3cret") == salted
+    assert len(salted) == 2 and not set(salted) & set(plain)
+    assert not set(block_hashes("m", "t1", tokens, 16, "other")) & set(salted)
+    assert not set(block_hashes("m", "t2", tokens, 16, "s3cret")) & set(salted)

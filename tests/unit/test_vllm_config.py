@@ -216,6 +216,20 @@ def test_kv_transfer_params_carry_tenant_and_session():
     assert kv_transfer_params(req(tenant="acme", session_id="s1")) == {"tenant": "acme", "session_id": "s1"}
     # A stored response's blocks are listed under its id (its DELETE erases them).
     assert kv_transfer_params(req(kv_owner="resp_1")) == {"tenant": "default", "session_id": "resp_1"}
+    assert kv_transfer_params(req(cache_salt="s")) == {"tenant": "default", "cache_salt": "s"}
+
+
+def test_vllms_own_prefix_cache_is_salted_by_tenant_and_cache_salt():
+    from deployments.compute.engines.vllm_engine import vllm_cache_salt
+
+    def req(**kw):
+        return GenerationRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1), **kw)
+
+    assert vllm_cache_salt(req()) is None
+    assert vllm_cache_salt(req(tenant="acme")) == "acme"
+    salted = {vllm_cache_salt(req(cache_salt="s")), vllm_cache_salt(req(tenant="acme", cache_salt="s")),
+              vllm_cache_salt(req(tenant="acme", cache_salt="t"))}
+    assert len(salted) == 3 and not salted & {None, "acme", "s"}
 
 
 def test_sampling_params_mapping():

@@ -24,7 +24,7 @@ NOT_NEUTRAL = {
     "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
     "spaces_between_special_tokens": False,
     "bad_words": ["x"], "logprob_token_ids": [1], "thinking_token_budget": 10, "watermarking": {"key": 1},
-    "repetition_detection": {"window": 3}, "cache_salt": "user-1",
+    "repetition_detection": {"window": 3},
     "return_tokens_as_token_ids": True, "return_token_offsets": True,
     "return_prompt_text": True, "return_mm_kwargs": True, "routed_experts_prompt_start": 0,
     "prompt_embeds": "AAAA", "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
@@ -100,7 +100,7 @@ def test_every_field_of_vllms_responses_request_is_served_refused_or_harmless():
     assert set(responses._PASSED_ON) <= chat_known, set(responses._PASSED_ON) - chat_known
 
 
-@pytest.mark.parametrize("name, value", [("cache_salt", "u"), ("vllm_xargs", {"a": 1}),
+@pytest.mark.parametrize("name, value", [("vllm_xargs", {"a": 1}),
                                          ("enable_response_messages", True), ("previous_input_messages", [{}])])
 def test_a_responses_request_refuses_what_the_chat_request_refuses(name, value):
     from app import responses

@@ -24,13 +24,18 @@ TIER_NONE = "none"
 
 
 def block_hashes(
-    model_id: str, tenant: str, token_ids: Sequence[int], block_size: int
+    model_id: str, tenant: str, token_ids: Sequence[int], block_size: int, salt: Optional[str] = None
 ) -> list[str]:
-    """Chained hashes (hex) of the *full* blocks of ``token_ids``; a partial tail is skipped."""
+    """Chained hashes (hex) of the *full* blocks of ``token_ids``; a partial tail is
+    skipped. The chain's root covers the model, the tenant and the request's
+    ``cache_salt`` (vLLM's field: a client's own key to its cached prefixes), so blocks
+    are shared only by requests that agree on all three."""
     hashes: list[str] = []
-    parent = hashlib.blake2b(
-        f"{model_id}\x00{tenant}".encode(), digest_size=16
-    ).digest()
+    root = f"{model_id}\x00{tenant}".encode()
+    if salt:
+        # Tenant names have no NUL (auth.TENANT_RE), so no tenant reads as a salted one.
+        root += b"\x00salt\x00" + hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    parent = hashlib.blake2b(root, digest_size=16).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
         h = hashlib.blake2b(parent, digest_size=16)

@@ -96,6 +96,9 @@ class GenerationRequest:
     tenant: str = "default"
     # Under ``engine.scheduling_policy: priority``: lower starts sooner (vLLM's meaning).
     priority: int = 0
+    # vLLM's ``cache_salt``: cached KV is reused only by requests with the same salt (and
+    # tenant); it is in every block hash (``kv.block_hashes``). Secret: never logged.
+    cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     # The stored record whose DELETE erases the KV blocks this request computes (the
     # data plane lists them under it): a stored response's id; None: the session's

@@ -626,7 +626,8 @@ class TorchEngine(Engine):
         here: its import is a host copy plus the copy to the device."""
         kv, stats, tenant = self._kv, self._kv_stats, request.tenant
         # Not the last prompt token: at least one must be prefilled to get its logits.
-        hashes = block_hashes(self.model_id, tenant, request.prompt_token_ids[:-1], self.block_size)
+        hashes = block_hashes(self.model_id, tenant, request.prompt_token_ids[:-1], self.block_size,
+                              request.cache_salt)
         if not hashes:
             return None
         stats.lookups += 1
@@ -813,12 +814,15 @@ class TorchEngine(Engine):
         first_block: int,
         span: torch.Tensor,
         session_id: Optional[str] = None,
+        salt: Optional[str] = None,
     ) -> None:
         """Encode and save one finished request's new blocks (listed under its session or
         stored response, ``GenerationRequest.blocks_owner``, if it has one, so deleting
         that erases them)."""
         try:
-            root, hashes, blocks = await asyncio.to_thread(self._encode_export, tenant, token_ids, first_block, span)
+            root, hashes, blocks = await asyncio.to_thread(
+                self._encode_export, tenant, token_ids, first_block, span, salt
+            )
             self._kv.save(tenant, hashes, blocks, session_id, chain_root=root)
             self._kv_stats.blocks_exported += len(blocks)
         except Exception:  # noqa: BLE001 - never surfaces to a request
@@ -826,11 +830,11 @@ class TorchEngine(Engine):
             logger.warning("kv export failed", exc_info=True)
 
     def _encode_export(
-        self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor
+        self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor, salt: Optional[str] = None
     ) -> tuple[Optional[str], list[str], list[bytes]]:
         """The chain's first hash, and the hashes and stored bytes of its blocks from
         ``first_block`` on (those ``span`` holds)."""
-        chain = block_hashes(self.model_id, tenant, token_ids, self.block_size)
+        chain = block_hashes(self.model_id, tenant, token_ids, self.block_size, salt)
         hashes = chain[first_block:]
         blocks = encode_kv_blocks(span, self.block_size)
         if len(hashes) != len(blocks):
@@ -1278,7 +1282,8 @@ class TorchEngine(Engine):
             )
             token_ids = (seq.prompt_token_ids + seq.output_token_ids)[: num_blocks * bs]
             export = functools.partial(
-                self._export, req.request.tenant, token_ids, first_block, span, req.request.blocks_owner
+                self._export, req.request.tenant, token_ids, first_block, span, req.request.blocks_owner,
+                req.request.cache_salt,
             )
             req.loop.call_soon_threadsafe(self._start_export, export)
         except Exception:  # noqa: BLE001 - exporting is best effort

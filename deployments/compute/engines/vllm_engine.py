@@ -185,9 +185,23 @@ def engine_args_kwargs(
     return kwargs
 
 
+def vllm_cache_salt(request: GenerationRequest) -> Optional[str]:
+    """The salt of vLLM's own prefix cache (L1) for ``request``: its tenant's, as the
+    data plane's block hashes are salted (a tenant's prompt never reuses, nor times the
+    presence of, another tenant's blocks), and the request's ``cache_salt``; None for
+    the default tenant without one."""
+    tenant = request.tenant if request.tenant and request.tenant != "default" else None
+    if request.cache_salt is None:
+        return tenant
+    # Tenant names have no NUL (auth.TENANT_RE): no tenant reads as a salted one.
+    return f"{tenant or 'default'}\x00{request.cache_salt}"
+
+
 def kv_transfer_params(request: GenerationRequest) -> dict[str, Any]:
     """What the connector reads per request (``SamplingParams.extra_args``)."""
     params: dict[str, Any] = {"tenant": request.tenant or "default"}
+    if request.cache_salt:
+        params["cache_salt"] = request.cache_salt
     if request.blocks_owner:
         # The connector lists the blocks it saves under it (a session, a stored response).
         params["session_id"] = request.blocks_owner
@@ -581,11 +595,9 @@ class VLLMEngine(Engine):
             kwargs["structured_outputs"] = v["StructuredOutputsParams"](**kwargs["structured_outputs"])
         params = v["SamplingParams"](**kwargs, output_kind=v["DELTA"], extra_args=extra)
         prompt = v["TokensPrompt"](prompt_token_ids=list(request.prompt_token_ids))
-        if request.tenant and request.tenant != "default":
-            # vLLM's own prefix cache (L1), salted per tenant as the data plane's block
-            # hashes are: a tenant's prompt never reuses, nor times the presence of,
-            # another tenant's blocks.
-            prompt["cache_salt"] = request.tenant
+        salt = vllm_cache_salt(request)
+        if salt is not None:
+            prompt["cache_salt"] = salt
         num_prompt = len(request.prompt_token_ids)
         num_output = 0
         got_output = prompt_sent = False

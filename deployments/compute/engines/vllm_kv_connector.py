@@ -16,8 +16,10 @@ Contract
   request names a session (or is a response to store: its id, ``blocks_owner``),
   ``<hash0>|<h>`` joins ``llm:<t>:sess:<id>:blocks`` so deleting the session (the
   response) deletes them. So the DataPlane's lookup/get/delete see these blocks too.
-* Tenant and session come per request in ``SamplingParams.extra_args["kv_transfer_params"]``
-  (``{"tenant": ..., "session_id": ...}``); tenant defaults to ``"default"``.
+* Tenant, session and the request's ``cache_salt`` come per request in
+  ``SamplingParams.extra_args["kv_transfer_params"]`` (``{"tenant": ..., "session_id":
+  ..., "cache_salt": ...}``); tenant defaults to ``"default"``; the salt goes into the
+  block names' hash chain as it does for the torch engine.
 * Scheduler: ``get_num_new_matched_tokens`` computes the prompt's block hashes (at most
   ``(len-1)//B`` blocks, so one token is always computed) and MGETs their index keys in one
   round trip; the run of present blocks after vLLM's local hit is what it offers to load.
@@ -121,6 +123,7 @@ class _ReqState:
     session_id: Optional[str]
     present: list[bool]  # per leading block: already in Redis (from the lookup)
     next_block: int = 0  # blocks below this one are saved or known present
+    salt: Optional[str] = None  # the request's cache_salt (in its block hashes)
 
 
 class _Redis:
@@ -215,15 +218,16 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     @staticmethod
-    def _params(request: "Request") -> tuple[str, Optional[str]]:
+    def _params(request: "Request") -> tuple[str, Optional[str], Optional[str]]:
+        """Tenant, session and cache salt of ``request`` (engine.kv_transfer_params)."""
         p = getattr(request, "kv_transfer_params", None) or {}
-        return str(p.get("tenant") or "default"), (p.get("session_id") or None)
+        return str(p.get("tenant") or "default"), (p.get("session_id") or None), (p.get("cache_salt") or None)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        tenant, session_id = self._params(request)
+        tenant, session_id, salt = self._params(request)
         tokens = list(request.all_token_ids)
         n_max = max(0, (len(tokens) - 1) // self._block_size)
-        hashes = block_hashes(self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size)
+        hashes = block_hashes(self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size, salt)
         present = [False] * len(hashes)
         client = self._kv_redis.client() if hashes else None
         if client is not None:
@@ -233,7 +237,7 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
                 self._kv_redis.failed("lookup", e)
         local = num_computed_tokens // self._block_size
-        self._lookups[request.request_id] = (tenant, session_id, hashes, present, local)
+        self._lookups[request.request_id] = (tenant, session_id, salt, hashes, present, local)
         run = 0
         while local + run < len(present) and present[local + run]:
             run += 1
@@ -243,10 +247,10 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         rid = request.request_id
-        tenant, session_id, hashes, present, first = self._lookups.pop(rid, None) or (
+        tenant, session_id, salt, hashes, present, first = self._lookups.pop(rid, None) or (
             *self._params(request), [], [], 0
         )
-        self._reqs[rid] = _ReqState(request, tenant, session_id, present)
+        self._reqs[rid] = _ReqState(request, tenant, session_id, present, salt=salt)
         if num_external_tokens <= 0 or not hashes:
             return
         block_ids = blocks.get_block_ids()[0]
@@ -269,7 +273,9 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
             full = min(req.num_computed_tokens + n_sched, len(tokens)) // self._block_size
             if full <= st.next_block:
                 continue
-            hashes = block_hashes(self._model_ns, st.tenant, list(tokens[: full * self._block_size]), self._block_size)
+            hashes = block_hashes(
+                self._model_ns, st.tenant, list(tokens[: full * self._block_size]), self._block_size, st.salt
+            )
             todo = [i for i in range(st.next_block, full) if not (i < len(st.present) and st.present[i])]
             st.next_block = full
             if not todo:

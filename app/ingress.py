@@ -71,6 +71,7 @@ from app.sessions import (
     session_json,
 )
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
+from deployments.compute.engines.bad_words import bad_words_token_ids
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
 from deployments.router.deployment import Router, SessionLookup
 
@@ -255,7 +256,7 @@ class _Metrics:
             "logprobs, structured_output (response_format or structured_outputs), tool_call "
             "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
-            "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids), prompt_logprobs "
+            "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids, bad_words), prompt_logprobs "
             "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply), "
             "priority (a priority other than 0, engine.scheduling_policy priority), "
             "cache_salt (KV reused only with the same salt).",
@@ -325,6 +326,11 @@ def json_logprob(value: float) -> float:
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN too)
 
 
+def token_id_text(token_id: int) -> str:
+    """A token in a logprobs entry under vLLM's ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}"
+
+
 def chat_logprob(token_text, token_id: int, logprob: float, top: list) -> dict:
     """One entry of a chat choice's ``logprobs.content``."""
 
@@ -386,7 +392,7 @@ def request_features(req, sampling) -> list[str]:
     if (
         sampling.top_k or sampling.min_p or sampling.presence_penalty or sampling.frequency_penalty
         or sampling.repetition_penalty != 1.0 or sampling.logit_bias or sampling.min_tokens
-        or sampling.stop_token_ids or sampling.allowed_token_ids
+        or sampling.stop_token_ids or sampling.allowed_token_ids or sampling.bad_words
     ):
         features.append("sampling_controls")
     if sampling.prompt_logprobs is not None:
@@ -632,18 +638,24 @@ class Ingress:
         return ""
 
     def _logprobs_json(
-        self, chat: bool, items: Optional[list], offset: int = 0, context: Optional[list[int]] = None
+        self, chat: bool, items: Optional[list], offset: int = 0, context: Optional[list[int]] = None,
+        as_ids: bool = False,
     ) -> tuple[Optional[dict], int]:
         """A choice's ``logprobs`` object for (token id, TokenLogprobs) items, in the chat
         or the completions API's form (None when none were asked for), and the text offset
         after them (completions: each token's offset in the choice's text). ``context``:
         the tokens before the items (a stream's earlier chunks'), which a token's text
-        may need (``_logprob_text``); extended in place by the items' own."""
+        may need (``_logprob_text``); extended in place by the items' own. ``as_ids``
+        (vLLM's ``return_tokens_as_token_ids``): every token written ``token_id:<id>``,
+        offsets counted in those strings; a chat entry's own ``bytes`` stay its text's
+        (vLLM's, which its top entries' do not)."""
         if items is None:
             return None, offset
         context = [] if context is None else context
 
         def texts(token_id: int):
+            if as_ids:
+                return token_id_text
             at = context[-4:]
             return lambda i: self._logprob_text(i, at)
 
@@ -655,13 +667,15 @@ class Ingress:
             content = []
             for t, (lp, top) in items:
                 content.append(chat_logprob(texts(t), t, lp, top))
+                if as_ids:
+                    content[-1]["bytes"] = list(self._logprob_text(t, context[-4:]).encode("utf-8", "replace"))
                 advance(t)
             return {"content": content}, offset
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for token_id, entry in items:
             # An echoed prompt's first token has no entry (nothing before it): vLLM
             # decodes it alone, and it is nobody's context.
-            text = texts(token_id) if entry is not None else self._token_text
+            text = texts(token_id) if entry is not None or as_ids else self._token_text
             token = text(token_id)
             tokens.append(token)
             text_offset.append(offset)
@@ -726,6 +740,13 @@ class Ingress:
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
         refuse_unsupported(req)
         self._check_model(req.model)
+        if req.bad_words:
+            # As vLLM checks them (a word that makes no token, too many sequences), with
+            # the engines' tokenizer: a 400 before any engine sees the request.
+            try:
+                bad_words_token_ids(lambda text: self._tokenizer.encode(text, add_special_tokens=False), req.bad_words)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="bad_words") from None
         if req.priority and self._config.engine.scheduling_policy != "priority":
             raise InvalidRequestError(
                 f"'priority' ({req.priority}) needs engine.scheduling_policy: priority; this server "
@@ -1471,6 +1492,7 @@ class Ingress:
         tool_mode = req.tool_call_mode() if chat else None
         role = req.reply_role() if chat else None
         prompt_logprobs = None  # the current prompt's (its head comes first among its choices)
+        as_ids = bool(req.return_tokens_as_token_ids)
         for i, (c, text) in enumerate(zip(calls, texts)):
             if chat:
                 message = {"role": role, "content": text}
@@ -1492,20 +1514,22 @@ class Ingress:
                     {
                         "index": i,
                         "message": message,
-                        "logprobs": self._logprobs_json(chat, c.logprob_items)[0],
+                        "logprobs": self._logprobs_json(chat, c.logprob_items, as_ids=as_ids)[0],
                         "finish_reason": finish,
                     }
                 )
             else:
-                logprobs = self._logprobs_json(chat, c.logprob_items)[0]
+                logprobs = self._logprobs_json(chat, c.logprob_items, as_ids=as_ids)[0]
                 if c.echo_text is not None:
                     text = c.echo_text + ("" if c.echo_only else text)
                     echoed = self._echo_logprob_items(req, c.head)
                     if echoed is not None:
                         # In front; the reply's own tokens' texts have only the reply's
                         # tokens before them as context, as vLLM's.
-                        head, offset = self._logprobs_json(chat, echoed)
-                        logprobs = _joined(head, self._logprobs_json(chat, c.logprob_items or [], offset)[0])
+                        head, offset = self._logprobs_json(chat, echoed, as_ids=as_ids)
+                        logprobs = _joined(
+                            head, self._logprobs_json(chat, c.logprob_items or [], offset, as_ids=as_ids)[0]
+                        )
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
                 if c.head.prompt_logprobs is not None:  # vLLM's: on each choice, its prompt's
                     if c.head is c:  # written once per prompt, shared by its choices
@@ -1553,6 +1577,7 @@ class Ingress:
         include_usage = req.include_usage_in_stream()
         continuous = include_usage and req.stream_options.continuous_usage_stats
         want_logprobs = req.requested_logprobs() is not None
+        as_ids = bool(req.return_tokens_as_token_ids)
         reply_role = req.reply_role() if chat else None
         # Per choice: (token id, TokenLogprobs) of tokens whose deltas sent no chunk yet (no
         # text yet: a character split across tokens), and the completions API's text offset.
@@ -1575,7 +1600,9 @@ class Ingress:
         ) -> dict:
             logprobs = None
             if want_logprobs and not role:
-                logprobs, offsets[index] = self._logprobs_json(chat, carried[index], offsets[index], recent[index])
+                logprobs, offsets[index] = self._logprobs_json(
+                    chat, carried[index], offsets[index], recent[index], as_ids=as_ids
+                )
                 carried[index] = []
                 if echo_head[index] is not None:
                     logprobs, echo_head[index] = _joined(echo_head[index], logprobs), None
@@ -1654,7 +1681,7 @@ class Ingress:
                 echo_open[index] = False
                 items = self._echo_logprob_items(req, calls[index].head) if want_logprobs else None
                 if items is not None:
-                    echo_head[index], offsets[index] = self._logprobs_json(chat, items)
+                    echo_head[index], offsets[index] = self._logprobs_json(chat, items, as_ids=as_ids)
             if calls[index].echo_only:  # the engine's one token is not the client's
                 delta = dataclasses.replace(delta, text="", token_ids=[], logprobs=None)
             if first:

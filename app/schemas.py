@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from app.errors import InvalidRequestError
+from deployments.compute.engines.bad_words import MAX_BAD_WORD_SEQUENCES
 from deployments.compute.engines.protocol import MAX_LOGPROBS
 
 # OpenAI's limit on the entries of logit_bias.
@@ -67,8 +68,13 @@ class _Request(BaseModel):
     # vLLM's: the prompt's ids and each choice's generated ids in the reply (in a stream,
     # each chunk's own), for a client that must not tokenise the text again.
     return_token_ids: bool = False
+    # vLLM's: with logprobs, each token written "token_id:<id>" (text that is not valid
+    # UTF-8 on its own stays identifiable).
+    return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: only these tokens may be picked.
     allowed_token_ids: Optional[list[int]] = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKENS)
+    # vLLM's: words the reply may not contain (deployments/compute/engines/bad_words.py).
+    bad_words: Optional[list[str]] = Field(default=None, max_length=MAX_BAD_WORD_SEQUENCES)
     # vLLM's prompt options: keep only this many of the prompt's tokens (-1: as many as
     # the context takes, less one for the reply), from the side given (default the
     # tokenizer's, as vLLM's); and special tokens (a BOS) added when tokenizing the
@@ -95,6 +101,13 @@ class _Request(BaseModel):
 
     def requested_prompt_logprobs(self) -> Optional[int]:
         return self.prompt_logprobs
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value):
+        if value and any(not w for w in value):
+            raise ValueError("bad_words cannot contain an empty string")
+        return value
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -197,6 +210,7 @@ class _Request(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "allowed_token_ids": list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            "bad_words": list(self.bad_words) if self.bad_words else None,
         }
 
     @field_validator("stop", mode="before")
@@ -298,12 +312,10 @@ _UNSUPPORTED_ANY = {
     "guided_choice": (_unset, "null"),
     "guided_grammar": (_unset, "null"),
     "spaces_between_special_tokens": (_one_of(True), "true"),
-    "bad_words": (_empty, "null"),
     "logprob_token_ids": (_unset, "null"),
     "thinking_token_budget": (_unset, "null"),
     "watermarking": (_unset, "null"),
     "repetition_detection": (_unset, "null"),
-    "return_tokens_as_token_ids": (_false, "false"),
     "return_token_offsets": (_false, "false"),
     "return_prompt_text": (_false, "false"),
     "return_mm_kwargs": (_false, "false"),

@@ -131,6 +131,37 @@ def test_echo_streams_the_prompt_in_each_choices_first_chunk(served_app):
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0 and usage["completion_tokens"] == 0
 
 
+def test_tokens_as_token_ids_are_the_ids_of_the_logprobs_tokens_whole_and_streamed(served_app):
+    """vLLM's return_tokens_as_token_ids: each logprobs token (the echoed prompt's, the
+    reply's, the top ones) is "token_id:<id>" of the ids the reply and the prompt have,
+    offsets counted in those strings; streamed, the same tokens chunk by chunk."""
+    body = {"prompt": TEXT, "echo": True, "max_tokens": 5, "temperature": 0, "logprobs": 2, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = ok(served_app, "/v1/completions", body)["choices"][0]
+    ids = whole["prompt_token_ids"] + whole["token_ids"]
+    lp = whole["logprobs"]
+    assert lp["tokens"] == [f"token_id:{i}" for i in ids]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(len(ids))]
+    assert all(t.startswith("token_id:") for top in lp["top_logprobs"][1:] for t in top)
+    with httpx.stream("POST", served_app.base_url + "/v1/completions",
+                      json={"model": served_app.model_id, "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    chat = ok(served_app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                                   "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+                                                   "return_tokens_as_token_ids": True})["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{i}" for i in chat["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    # Without logprobs it changes nothing (as in vLLM).
+    plain = ok(served_app, "/v1/completions", {"prompt": TEXT, "max_tokens": 3, "temperature": 0,
+                                               "return_tokens_as_token_ids": True})["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == whole["text"][len(TEXT):len(TEXT) + len(plain["text"])]
+
+
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(served_app):
     r = ok(served_app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2,
                                                 "return_token_ids": True})
@@ -172,6 +203,11 @@ SAME_AS_VLLM = [
     # A batch of prompts (lm-evaluation-harness's batch_size > 1): each prompt's choices in order.
     ("/v1/completions", {"prompt": [TEXT, "A second prompt, shorter"], "echo": True, "logprobs": 1, "max_tokens": 2,
                          "temperature": 0}),
+    # vLLM's return_tokens_as_token_ids: every logprobs token as "token_id:<id>".
+    ("/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0,
+                         "ignore_eos": True, "return_tokens_as_token_ids": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                              "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}),
 ]
 
 
@@ -204,8 +240,9 @@ def test_the_answers_are_those_of_vllms_own_server(served_app, tmp_path):
         assert their.status_code == 200, (path, body, their.text)
         ours, their = ok(served_app, path, body), their.json()
         if "messages" in body:
-            _same(ours["prompt_logprobs"], their["prompt_logprobs"], path)
+            _same(ours.get("prompt_logprobs"), their.get("prompt_logprobs"), path)
             _same(ours["choices"][0]["message"]["content"], their["choices"][0]["message"]["content"], path)
+            _same(ours["choices"][0]["logprobs"], their["choices"][0]["logprobs"], f"{path} {body} logprobs")
         else:
             assert [c["index"] for c in ours["choices"]] == [c["index"] for c in their["choices"]]
             keys = ("text", "logprobs", "prompt_logprobs", "finish_reason", "prompt_token_ids", "token_ids")

@@ -737,7 +737,7 @@ def test_invalid_fields_are_400_naming_the_field(served_app, override, param):
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         # vLLM's fields no engine here applies (app/schemas.py's table).
-        ("/v1/completions", {"bad_words": ["fox"]}, "bad_words"),
+        ("/v1/completions", {"thinking_token_budget": 10}, "thinking_token_budget"),
     ],
 )
 def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, path, override, param):
@@ -748,6 +748,38 @@ def test_a_set_field_the_server_does_not_implement_is_400_naming_it(served_app, 
     assert "not supported" in err["message"]
     r = post(served_app, path, {**body, param: None})  # the same request without it
     assert r.status_code == 200, r.text
+
+
+def test_bad_words_rule_a_word_out_of_the_reply(served_app):
+    """vLLM's bad_words: with a word of one token that the greedy reply has, the reply is
+    the same up to it and then takes another token. A word that makes no token, or an
+    empty one, is a 400 naming bad_words (as vLLM refuses them)."""
+    from deployments.compute.engines.bad_words import bad_words_token_ids
+
+    base = {"model": served_app.model_id, "prompt": "The quiet river runs", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    r = post(served_app, "/v1/completions", base)
+    assert r.status_code == 200, r.text
+    plain = r.json()["choices"][0]["token_ids"]
+
+    def ids(text: str) -> list[int]:
+        return post(served_app, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    for k, token in enumerate(plain):
+        word = post(served_app, "/detokenize", {"tokens": [token]}).json()["prompt"].strip()
+        # Its sequences as vLLM makes them (" more" is banned only where "more" is one
+        # token too).
+        if word and [token] in bad_words_token_ids(ids, [word]):
+            break
+    else:
+        pytest.fail(f"no token of the reply {plain} is a word of one token")
+    r = post(served_app, "/v1/completions", {**base, "bad_words": [word]})
+    assert r.status_code == 200, r.text
+    banned = r.json()["choices"][0]["token_ids"]
+    assert banned[:k] == plain[:k] and banned[k] != plain[k] and plain[k] not in banned, (word, plain, banned)
+    for words in (["   "], [""], ["ok", ""]):
+        err = assert_openai_error(post(served_app, "/v1/completions", {**base, "bad_words": words}), 400, "bad_words")
+        assert "bad_words" in err["message"]
 
 
 def test_an_integer_longer_than_python_reads_is_400(served_app):

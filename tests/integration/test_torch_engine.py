@@ -17,6 +17,7 @@ from deployments.compute.engines.protocol import (
 from deployments.compute.engines.torch_engine import TorchEngine
 from tests.fixtures.engines import (
     PROMPTS,
+    check_bad_words,
     collect,
     encode,
     hf_greedy,
@@ -326,6 +327,15 @@ async def test_waiting_requests_start_by_priority_under_the_priority_policy(tiny
     finally:
         await eng.shutdown()
     assert order == want
+
+
+@pytest.mark.asyncio
+async def test_bad_words_are_ruled_out_of_the_reply(engine):
+    await check_bad_words(engine, encode(engine, PROMPTS[1]))
+    # A word that makes no token is refused (the ingress refuses it first, as vLLM does).
+    with pytest.raises(RequestRejected) as e:
+        await collect(engine, make_request("bw-empty", encode(engine, PROMPTS[1]), bad_words=["   "]))
+    assert e.value.param == "bad_words"
 
 
 def test_cpu_nice_out_of_range_is_rejected(tiny_model_path):

@@ -34,7 +34,16 @@ from deployments.compute.engines.protocol import (
     RequestRejected,
 )
 from deployments.compute.engines.vllm_engine import VLLMEngine
-from tests.fixtures.engines import PROMPTS, collect, encode, hf_greedy, make_request, start_order, wait_until
+from tests.fixtures.engines import (
+    PROMPTS,
+    check_bad_words,
+    collect,
+    encode,
+    hf_greedy,
+    make_request,
+    start_order,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
@@ -277,6 +286,10 @@ async def test_slow_consumer_gets_coalesced_deltas(engine):
 
 
 # Keep last: it kills the module's EngineCore.
+async def test_bad_words_are_ruled_out_of_the_reply(engine):
+    await check_bad_words(engine, encode(engine, PROMPTS[1]))
+
+
 async def test_waiting_requests_start_in_arrival_order_under_fcfs(engine):
     """vLLM's default policy: a request's priority changes nothing."""
     ids = encode(engine, PROMPTS[0])

@@ -175,13 +175,14 @@ def test_sampling_extras_map_to_the_engines_params():
     assert plain == {"top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                      "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0, "logprobs": None,
                      "prompt_logprobs": None, "structured_output": None, "stop_token_ids": [], "skip_special_tokens": True,
-                     "include_stop_str_in_output": False, "allowed_token_ids": None}
+                     "include_stop_str_in_output": False, "allowed_token_ids": None, "bad_words": None}
     r = ChatCompletionRequest.model_validate({**CHAT_REQ, "top_k": -1, "logit_bias": {"7": -100, "12": 5.5},
                                               "repetition_penalty": 1.1, "logprobs": True, "top_logprobs": 3,
                                               "skip_special_tokens": False, "include_stop_str_in_output": True,
-                                              "allowed_token_ids": [5, 9]})
+                                              "allowed_token_ids": [5, 9], "bad_words": ["river", "sea"]})
     extras = r.sampling_extras()
     assert extras["include_stop_str_in_output"] is True and extras["allowed_token_ids"] == [5, 9]
+    assert extras["bad_words"] == ["river", "sea"]
     assert extras["top_k"] == 0 and extras["logit_bias"] == {7: -100.0, 12: 5.5}
     assert extras["skip_special_tokens"] is False
     assert extras["repetition_penalty"] == 1.1 and extras["logprobs"] == 3

@@ -53,7 +53,7 @@ def test_the_priority_policy_hands_the_requests_priority_to_the_engine(priority)
         sampling = SimpleNamespace(logprobs=None, structured_output=None, top_k=None, min_p=None,
                                    presence_penalty=None, frequency_penalty=None, repetition_penalty=1.0,
                                    logit_bias=None, min_tokens=None, stop_token_ids=None, allowed_token_ids=None,
-                                   prompt_logprobs=None)
+                                   prompt_logprobs=None, bad_words=None)
         assert ("priority" in request_features(req, sampling)) == (priority != 0)
 
 

@@ -82,6 +82,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's: only these tokens may be picked (the others' logits ruled out); None: any.
     allowed_token_ids: Optional[list[int]] = None
+    # vLLM's: words the reply may not contain. Each, with and without a leading space, is
+    # a token sequence (sampling.bad_words_token_ids) whose last token is ruled out
+    # wherever the reply's last tokens are the rest of it.
+    bad_words: Optional[list[str]] = None
 
 
 @dataclass(slots=True)

@@ -80,6 +80,7 @@ from deployments.compute.engines.protocol import (
     TokenLogprobs,
     validate_request,
 )
+from deployments.compute.engines.bad_words import bad_words_token_ids, banned_tokens
 from deployments.compute.engines.sampling import (
     adjust_logits,
     adjusts_logits,
@@ -176,6 +177,8 @@ class _Request:
     # The prompt's logprobs (SamplingParams.prompt_logprobs), from its prefill until the
     # first delta carries them.
     prompt_logprobs: Optional[list] = None
+    # SamplingParams.bad_words as token sequences (sampling.bad_words_token_ids).
+    bad_words: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -530,6 +533,13 @@ class TorchEngine(Engine):
         """The text of special tokens too (SamplingParams.skip_special_tokens off)."""
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """A request's bad_words as token sequences (RequestRejected: 400)."""
+        try:
+            return bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False), words)
+        except ValueError as e:
+            raise RequestRejected(str(e), param="bad_words") from None
+
     async def _constraint(self, params) -> Constraint:
         """The compiled grammar of a request's structured output (RequestRejected: 400)."""
         kind, spec = params.structured_output
@@ -561,6 +571,7 @@ class TorchEngine(Engine):
         self._validate(request)
         params = request.sampling
         constraint = await self._constraint(params) if params.structured_output else None
+        bad_words = self._bad_words(params.bad_words) if params.bad_words else []
         req = _Request(
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens,
                          priority=request.priority),
@@ -573,6 +584,7 @@ class TorchEngine(Engine):
             loop=asyncio.get_running_loop(),
             results=asyncio.Queue(),
             constraint=constraint,
+            bad_words=bad_words,
         )
         self._check_alive()
         # Claimed before the (awaiting) prefix fetch, so a duplicate id is still refused.
@@ -1140,6 +1152,10 @@ class TorchEngine(Engine):
                 [set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else self._eos_token_ids) for i in rows],
             )
         for i, r in enumerate(reqs):
+            if r.bad_words and (banned := banned_tokens(r.bad_words, r.seq.output_token_ids)):
+                if logits is raw:
+                    logits = raw.clone()
+                logits[i, banned] = float("-inf")
             if r.constraint is not None:
                 if logits is raw:
                     logits = raw.clone()

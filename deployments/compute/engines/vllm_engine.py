@@ -245,6 +245,8 @@ def sampling_params_kwargs(params: SamplingParams) -> dict[str, Any]:
         kwargs["logit_bias"] = dict(params.logit_bias)
     if params.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
+    if params.bad_words:
+        kwargs["bad_words"] = list(params.bad_words)
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
     if params.structured_output is not None:

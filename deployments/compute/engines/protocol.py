@@ -83,7 +83,7 @@ class SamplingParams:
     # vLLM's: only these tokens may be picked (the others' logits ruled out); None: any.
     allowed_token_ids: Optional[list[int]] = None
     # vLLM's: words the reply may not contain. Each, with and without a leading space, is
-    # a token sequence (sampling.bad_words_token_ids) whose last token is ruled out
+    # a token sequence (bad_words.bad_words_token_ids) whose last token is ruled out
     # wherever the reply's last tokens are the rest of it.
     bad_words: Optional[list[str]] = None
 

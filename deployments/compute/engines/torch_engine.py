@@ -177,7 +177,7 @@ class _Request:
     # The prompt's logprobs (SamplingParams.prompt_logprobs), from its prefill until the
     # first delta carries them.
     prompt_logprobs: Optional[list] = None
-    # SamplingParams.bad_words as token sequences (sampling.bad_words_token_ids).
+    # SamplingParams.bad_words as token sequences (bad_words.bad_words_token_ids).
     bad_words: list = field(default_factory=list)
 
 

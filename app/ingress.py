@@ -257,7 +257,8 @@ class _Metrics:
             "(tool_choice named or required), tool_call_auto (tools with tool_choice auto, "
             "read by model.tool_call_parser), sampling_controls (penalties, logit_bias, "
             "top_k, min_p, min_tokens, stop_token_ids, allowed_token_ids, bad_words), prompt_logprobs "
-            "(a whole prefill, no cached prefix), echo (a completion's prompt in its reply), "
+            "(a whole prefill, no cached prefix), echo (a completion's prompt, or vLLM's chat "
+            "echo of the message a reply continues, in front of the reply), "
             "priority (a priority other than 0, engine.scheduling_policy priority), "
             "cache_salt (KV reused only with the same salt).",
             tag_keys=("endpoint", "feature"),
@@ -1381,7 +1382,7 @@ class Ingress:
             span.set_attribute("llm.session_id", turn.session_id)
         gen_requests, calls = [], []
         sent = req.prompt_list() if isinstance(req, CompletionRequest) else [None]
-        echo = getattr(req, "echo", False)
+        echo = isinstance(req, CompletionRequest) and req.echo  # (a chat echo is the reply's, _completion_json)
         for ids, prompt in zip([prompt_ids, *more_prompts], sent):
             first = gen_request if ids is prompt_ids else self._generation_request(req, ids, tenant)
             first.buffered = gen_request.buffered
@@ -1493,6 +1494,7 @@ class Ingress:
         role = req.reply_role() if chat else None
         prompt_logprobs = None  # the current prompt's (its head comes first among its choices)
         as_ids = bool(req.return_tokens_as_token_ids)
+        chat_echo = req.echo_text() if chat else ""
         for i, (c, text) in enumerate(zip(calls, texts)):
             if chat:
                 message = {"role": role, "content": text}
@@ -1510,6 +1512,8 @@ class Ingress:
                         # vLLM's finish reason for a reply that called a tool under "auto".
                         message["tool_calls"] = parsed.tool_calls
                         finish = "tool_calls"
+                if req.echo:  # vLLM's: in front of the content, whatever it is
+                    message["content"] = chat_echo + (message["content"] or "")
                 choices.append(
                     {
                         "index": i,
@@ -1720,6 +1724,20 @@ class Ingress:
             content, tool_calls, reason = tool_reply(tool_mode, req.called_function(), "".join(texts[index]), finish)
             return [chunk(index, content, None, tool_calls=tool_calls), chunk(index, None, reason)]
 
+        chat_echo = req.echo_text() if chat else ""
+
+        def opening(index: int) -> list[dict]:
+            """A chat choice's first chunks: its role, then (vLLM's echo) the last
+            message's content, without logprobs."""
+            out = [chunk(index, "", None, role=True)]
+            if chat_echo:
+                out.append(chunk(index, chat_echo, None))
+                out[-1]["choices"][0]["logprobs"] = None
+                if continuous:  # nothing generated in it
+                    out[-1]["usage"] = {**out[-1]["usage"], "completion_tokens": 0,
+                                        "total_tokens": out[-1]["usage"]["prompt_tokens"]}
+            return out
+
         status = 200
         tasks: list[asyncio.Future] = []
         try:
@@ -1727,7 +1745,8 @@ class Ingress:
                 call, stream = calls[0], streams[0]
                 parts: list[str] = []
                 if chat:
-                    yield chunk(0, "", None, role=True)
+                    for c in opening(0):
+                        yield c
                 delta = firsts[0]
                 while True:
                     parts.append(delta.text)
@@ -1758,7 +1777,8 @@ class Ingress:
 
                 for i, first in enumerate(firsts):
                     if chat:
-                        yield chunk(i, "", None, role=True)
+                        for c in opening(i):
+                            yield c
                     for c in chunks(i, first):
                         yield c
                 open_choices = sum(1 for f in firsts if f.finish_reason is None)

@@ -373,6 +373,8 @@ class ChatMessage(BaseModel):
         return {}
 
     def text(self) -> str:
+        """The content as the chat template gets it: text parts joined by newlines, as
+        vLLM renders them for templates that take a string."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -382,7 +384,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)
 
 
 # vLLM's two prompt flags (chat requests and /tokenize) set against each other.
@@ -428,6 +430,24 @@ class ChatCompletionRequest(_Request):
         """The reply message's role: the assistant's, or without a generation prompt the
         role of the message it continues (vLLM's)."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    # vLLM's chat echo: the reply starts with the last message's content when that
+    # message has the reply's role (an assistant prefill, continue_final_message).
+    echo: Optional[bool] = None
+
+    def requested_prompt_logprobs(self) -> Optional[int]:
+        # vLLM's chat echo asks for the prompt's logprobs too (top_logprobs alternatives,
+        # default 0), so the reply carries them, and the prompt is prefilled whole.
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts in front of each choice's content ("" for none)."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != self.reply_role():
+            return ""
+        return last.text()
 
     # OpenAI's, as vLLM serves it: a variable of the chat template (gpt-oss's), which
     # also turns thinking on ("none": off) for templates that take enable_thinking
@@ -617,7 +637,6 @@ class ChatCompletionRequest(_Request):
         "audio": (_unset, "null"),
         "prediction": (_unset, "null"),
         # vLLM's chat extensions that change the prompt or the reply's shape.
-        "echo": (_false, "false"),
         "chat_template": (_unset, "null (the model's own template)"),
         "documents": (_unset, "null"),
     }

@@ -17,6 +17,7 @@ from tests.fixtures.serve_app import vllm_server_replies
 pytestmark = pytest.mark.integration
 
 CHAT = [{"role": "user", "content": "Name three rivers of Europe."}]
+PREFILLED = CHAT + [{"role": "assistant", "content": "The Rhine,"}]
 TEXT = "The quiet river runs past the old mill and into the sea"
 
 
@@ -162,6 +163,28 @@ def test_tokens_as_token_ids_are_the_ids_of_the_logprobs_tokens_whole_and_stream
     assert plain["logprobs"] is None and plain["text"] == whole["text"][len(TEXT):len(TEXT) + len(plain["text"])]
 
 
+def test_chat_echo_puts_the_prefill_in_front_of_each_choice_whole_and_streamed(served_app):
+    """vLLM's chat echo: the last message's content, when it has the reply's role (an
+    assistant prefill continued), in front of each choice's content; streamed, as a chunk
+    of its own after the role. With a generation prompt (the reply a new assistant
+    message after a user's) there is nothing to echo."""
+    body = {"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True}
+    plain = ok(served_app, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = ok(served_app, "/v1/chat/completions", {**body, "echo": True, "n": 2})["choices"]
+    assert [c["message"]["content"] for c in echoed] == ["The Rhine," + plain] * 2
+    with httpx.stream("POST", served_app.base_url + "/v1/chat/completions",
+                      json={"model": served_app.model_id, "stream": True, "echo": True, **body}, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "The Rhine,"}
+    assert "".join(d.get("content") or "" for d in deltas) == "The Rhine," + plain
+    fresh = ok(served_app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0, "echo": True})
+    assert fresh["choices"][0]["message"]["content"] == ok(
+        served_app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0})["choices"][0]["message"]["content"]
+
+
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(served_app):
     r = ok(served_app, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2,
                                                 "return_token_ids": True})
@@ -184,7 +207,7 @@ def test_chat_prompt_logprobs_cover_the_rendered_prompt(served_app):
         ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": "2"}, "prompt_logprobs"),
-        ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),  # vLLM's chat echo: not served
+        ("/v1/chat/completions", {"messages": CHAT, "echo": "yes"}, "echo"),
     ],
 )
 def test_bad_echo_and_prompt_logprobs_are_400s_naming_the_field(served_app, path, body, param):
@@ -208,6 +231,13 @@ SAME_AS_VLLM = [
                          "ignore_eos": True, "return_tokens_as_token_ids": True}),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
                               "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}),
+    # vLLM's chat echo: an assistant prefill in front of its continuation.
+    ("/v1/chat/completions", {"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True,
+                              "echo": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True}),
+    # A message of several text parts: one text, joined by newlines (the prompt's size compared).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                                        {"type": "text", "text": "rivers."}]}],
+                              "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}),
 ]
 
 

@@ -104,7 +104,7 @@ COMPLETION_REQ = {"model": "m", "prompt": "hi"}
         (CHAT_REQ, "use_beam_search", True),
         (COMPLETION_REQ, "best_of", 3),
         (COMPLETION_REQ, "suffix", "tail"),
-        (CHAT_REQ, "echo", True),
+        (CHAT_REQ, "documents", [{"text": "d"}]),
         (CHAT_REQ, "chat_template", "{{ messages }}"),
     ],
 )
@@ -422,3 +422,16 @@ def test_a_prefill_is_continued_only_without_the_generation_prompt_and_keeps_its
     assert req.reply_role() == "assistant" and req.unsupported_field() is None
     assert ChatCompletionRequest.model_validate({**CHAT_REQ, "add_generation_prompt": False}).reply_role() == "user"
     assert ChatCompletionRequest.model_validate(CHAT_REQ).reply_role() == "assistant"
+
+
+def test_text_parts_are_joined_by_newlines_and_chat_echo_takes_the_last_message_of_the_replys_role():
+    """As vLLM renders a message of text parts for a template that takes a string; its
+    chat echo repeats the last message when the reply continues it."""
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    req = ChatCompletionRequest.model_validate({**CHAT_REQ, "messages": [parts], "echo": True})
+    assert req.messages[0].text() == "a\nb"
+    assert req.echo_text() == ""  # the reply is the assistant's, after a user's message
+    prefill = {"role": "assistant", "content": "So far"}
+    cont = {**CHAT_REQ, "messages": [parts, prefill], "add_generation_prompt": False, "continue_final_message": True}
+    assert ChatCompletionRequest.model_validate({**cont, "echo": True}).echo_text() == "So far"
+    assert ChatCompletionRequest.model_validate(cont).echo_text() == ""

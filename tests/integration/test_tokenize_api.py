@@ -127,6 +127,9 @@ SAME_AS_VLLM = [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "kv"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "keys and values"}]}),
+    # A message of text parts: joined by newlines, as vLLM renders it for this template.
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "two"},
+                                                             {"type": "text", "text": "parts"}]}]}),
     ("/detokenize", {"tokens": [0, 264, 81, 369, 818]}),
 ]
 

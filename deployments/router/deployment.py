@@ -36,7 +36,7 @@ from app.auth import DEFAULT_TENANT
 from app.config import AppConfig
 from app.errors import GatewayTimeoutError, RateLimitError, _causes, replica_death_types
 from app.telemetry import LATENCY_BUCKETS_S
-from deployments.compute.engines.kv import block_hashes
+from deployments.compute.engines.kv import block_hashes, prompt_lookup_hashes
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
 from deployments.dataplane.root_index import RootIndex, redis_fetcher
 from deployments.router.batcher import DynamicBatcher
@@ -263,9 +263,7 @@ class Router:
         dc = self._config.dataplane
         if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
             return []
-        return block_hashes(
-            self._config.model.id, request.tenant, request.prompt_token_ids[:-1], dc.block_size, request.cache_salt
-        )
+        return prompt_lookup_hashes(self._config.model.id, request, dc.block_size)
 
     async def _start_lookup_call(self, tenant: str, hashes: list[str]):
         """Call the data plane's lookup of ``hashes`` (with references, for the worker)

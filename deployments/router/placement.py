@@ -791,12 +791,10 @@ class QueueAwareRequestRouter(FIFOMixin, RequestRouter):  # type: ignore[misc,va
         return self._tracker.inflight(replica.replica_id) + float(stats.get("num_waiting", 0))
 
     def _block_keys(self, request) -> list[bytes]:
-        from deployments.compute.engines.kv import block_hashes
+        from deployments.compute.engines.kv import prompt_lookup_hashes
 
-        # As the engine looks them up: every prompt token but the last.
-        hashes = block_hashes(self._model_id, request.tenant, request.prompt_token_ids[:-1], self._block_size,
-                              getattr(request, "cache_salt", None))
-        return [block_key(h) for h in hashes]
+        # As the engine looks them up.
+        return [block_key(h) for h in prompt_lookup_hashes(self._model_id, request, self._block_size)]
 
     async def choose_replicas(
         self,

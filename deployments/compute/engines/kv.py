@@ -45,6 +45,16 @@ def block_hashes(
     return hashes
 
 
+def prompt_lookup_hashes(model_id: str, request, block_size: int) -> list[str]:
+    """The block hashes ``request``'s prompt is looked up by, wherever that happens (the
+    engine, the router's early lookup, prefix-aware placement): its tenant's and cache
+    salt's chain over every prompt token but the last, which is always prefilled for the
+    first output's logits."""
+    return block_hashes(
+        model_id, request.tenant, request.prompt_token_ids[:-1], block_size, getattr(request, "cache_salt", None)
+    )
+
+
 @dataclass(slots=True)
 class PrefixHit:
     """The longest run of leading blocks the data plane holds."""

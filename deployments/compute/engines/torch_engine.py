@@ -54,6 +54,7 @@ from deployments.compute.engines.kv import (
     PrefixHit,
     Rate,
     block_hashes,
+    prompt_lookup_hashes,
     should_fetch,
 )
 from deployments.compute.engines.kv_buffer import (
@@ -637,9 +638,7 @@ class TorchEngine(Engine):
         worth fetching on one machine and not on the other. L1 is a tier like the others
         here: its import is a host copy plus the copy to the device."""
         kv, stats, tenant = self._kv, self._kv_stats, request.tenant
-        # Not the last prompt token: at least one must be prefilled to get its logits.
-        hashes = block_hashes(self.model_id, tenant, request.prompt_token_ids[:-1], self.block_size,
-                              request.cache_salt)
+        hashes = prompt_lookup_hashes(self.model_id, request, self.block_size)
         if not hashes:
             return None
         stats.lookups += 1

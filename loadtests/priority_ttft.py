@@ -21,13 +21,10 @@ import statistics
 import sys
 import time
 
+from loadtests.benchmark import percentile
+
 POLICIES = ("fcfs", "priority")
 HIGH, NORMAL = -1, 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def burst(engine, args, rng: random.Random, tag: str) -> tuple[dict[int, list[float]], float]:
@@ -91,7 +88,7 @@ async def main(args) -> None:
         for priority, name in ((HIGH, "high"), (NORMAL, "normal")):
             values = ttft[policy][priority]
             print(f"{policy:<9} {name:<7} {1000 * statistics.median(values):>12.0f} "
-                  f"{1000 * percentile(values, 0.9):>8.0f} {statistics.median(walls[policy]):>17.2f}")
+                  f"{1000 * percentile(values, 90):>8.0f} {statistics.median(walls[policy]):>17.2f}")
     for priority, name in ((HIGH, "high"), (NORMAL, "normal")):
         ratio = statistics.median(ttft["priority"][priority]) / statistics.median(ttft["fcfs"][priority])
         print(f"TTFT p50 of {name} requests, priority / fcfs: {ratio:.2f}")

@@ -13,7 +13,7 @@ from typing import Optional
 
 from ray.serve import Application
 
-from app.config import AppConfig
+from app.config import AppConfig, LoraModule
 
 logger = logging.getLogger("ray.serve")
 
@@ -138,8 +138,17 @@ def build_app(args: dict | None = None) -> Application:
         ensure_model(config.model.resolved_path(), config.model.build_preset)
     # Deployments get the config with the model path made absolute: replicas do not
     # share the driver's working directory.
+    # Adapters are read here too, so that one the engines cannot apply fails the deploy
+    # with its reason instead of every worker replica's start.
+    from deployments.compute.engines.lora import read_adapter
+
+    for name, path in config.model.lora_paths().items():
+        read_adapter(name, path)
     resolved = config.model_copy(
-        update={"model": config.model.model_copy(update={"path": str(config.model.resolved_path())})}
+        update={"model": config.model.model_copy(update={
+            "path": str(config.model.resolved_path()),
+            "lora_modules": [LoraModule(name=n, path=p) for n, p in config.model.lora_paths().items()],
+        })}
     )
     payload = resolved.model_dump(mode="json")
 

@@ -44,6 +44,21 @@ ROLE_RESOURCES_DESCRIPTION = (
 )
 
 
+class LoraModule(_Strict):
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$",
+        description="What clients send as `model` to use the adapter (or `<model.id>:<name>`).",
+    )
+    path: str = Field(
+        min_length=1,
+        description="Local directory of the adapter in PEFT's format (adapter_config.json, "
+        "adapter_model.safetensors). Relative paths resolve as `model.path` does.",
+    )
+
+    def resolved_path(self) -> Path:
+        return Path(self.path).expanduser().resolve()
+
+
 class ModelConfig(_Strict):
     id: str = Field(
         default="tiny-llama",
@@ -91,6 +106,30 @@ class ModelConfig(_Strict):
         "(the engines hold the whole reply to the grammar). Needs vLLM installed.",
     )
 
+    lora_modules: list[LoraModule] = Field(
+        default_factory=list,
+        max_length=256,
+        description="LoRA adapters served beside the base model, on either engine (`vllm "
+        "serve --enable-lora --lora-modules name=path`): a request whose `model` names one "
+        "runs with it, and /v1/models lists them. Each adapter's KV is its own (never "
+        "reused by the base model or another adapter). Give a retrained adapter a new "
+        "name: cached KV is keyed by the name, as the base model's by `id`.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lora_names(self) -> "ModelConfig":
+        names = [m.name for m in self.lora_modules]
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"model.lora_modules names {doubled} more than once")
+        if self.id in names:
+            raise ValueError(f"model.lora_modules: an adapter may not be called {self.id!r}, the model's id")
+        return self
+
+    def lora_paths(self) -> dict[str, str]:
+        """Each adapter's name and absolute path, in the configured order."""
+        return {m.name: str(m.resolved_path()) for m in self.lora_modules}
+
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser().resolve()
 
@@ -136,6 +175,18 @@ class VLLMOptions(_Strict):
         description="KV cache size of the CPU build (VLLM_CPU_KVCACHE_SPACE), in GiB.",
     )
     seed: int = Field(default=0, ge=0)
+    max_loras: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="With model.lora_modules: most adapters in one batch (vLLM's "
+        "max_loras; each takes GPU memory). Default: every adapter, at most 8.",
+    )
+    max_lora_rank: Optional[Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]] = Field(
+        default=None,
+        description="With model.lora_modules: vLLM's max_lora_rank. Default: the smallest "
+        "that fits every configured adapter's rank.",
+    )
 
 
 class EngineConfig(_Strict):
@@ -848,6 +899,13 @@ class AppConfig(_Strict):
                 "security.rate_limits keeps its counts in the data plane's Redis: it needs "
                 "dataplane.enabled"
             )
+        if self.model.lora_modules and self.engine.name == "torch" and self.engine.model_impl == "transformers":
+            raise ValueError(
+                "model.lora_modules: the torch engine applies LoRA adapters in its native model; "
+                "engine.model_impl transformers has none (use auto or native)"
+            )
+        if not self.model.lora_modules and (self.engine.vllm.max_loras or self.engine.vllm.max_lora_rank):
+            raise ValueError("engine.vllm.max_loras and max_lora_rank need model.lora_modules")
         batched = self.engine.vllm.max_num_batched_tokens
         if self.engine.name == "vllm" and batched is not None and batched < self.engine.max_num_seqs:
             # vLLM's own check (SchedulerConfig), made here so that it fails before vLLM starts.

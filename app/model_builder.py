@@ -7,6 +7,7 @@ template. The output is a plain Hugging Face directory that ``AutoModelForCausal
 ``AutoTokenizer`` (and vLLM) load like any downloaded checkpoint.
 
     python -m app.model_builder --preset tiny --out models/tiny [--force]
+    python -m app.model_builder --model models/tiny --lora-seed 1 --out models/tiny-lora-1
 
 The same preset gives the same bytes on every run (seeded corpus, single-threaded
 tokenizer training, explicitly seeded weight init). ``build_info.json`` marks a finished
@@ -352,12 +353,73 @@ def checkpoint_digest(path: Path | str) -> str:
     return h.hexdigest()
 
 
+def build_lora_adapter(
+    model: Path | str,
+    out: Path | str,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    seed: int = 1,
+    targets: Optional[list[str]] = None,
+    scale: float = 0.2,
+    quiet: bool = True,
+) -> Path:
+    """A random LoRA adapter for the checkpoint at ``model``, in PEFT's format
+    (``adapter_config.json``, ``adapter_model.safetensors``), seeded: the same arguments
+    give the same bytes. Both A and B are non-zero (a trained adapter's B is; PEFT's
+    initial one is zero), so the adapter changes the model's output."""
+    import torch
+    from safetensors.torch import save_file
+
+    from deployments.compute.engines.lora import TARGET_MODULES
+
+    model, out = Path(model), Path(out)
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shapes = {
+        "self_attn.q_proj": (hidden, heads * head_dim), "self_attn.k_proj": (hidden, kv_heads * head_dim),
+        "self_attn.v_proj": (hidden, kv_heads * head_dim), "self_attn.o_proj": (heads * head_dim, hidden),
+        "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden),
+    }
+    targets = list(targets or TARGET_MODULES)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            if module.rsplit(".", 1)[1] not in targets:
+                continue
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": str(model),
+    }, indent=2, sort_keys=True) + "\n")
+    _log(f"LoRA adapter (rank {rank}, {len(tensors) // 2} projections adapted) at {out}", quiet)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", default=None, help="output directory (default: models/<preset>)")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--lora-seed", type=int, default=None,
+                        help="build a random LoRA adapter (PEFT format) for the model at --model "
+                             "into --out instead, from this seed")
+    parser.add_argument("--model", default=None, help="with --lora-seed: the base checkpoint")
+    parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args(argv)
+    if args.lora_seed is not None:
+        if not args.model or not args.out:
+            parser.error("--lora-seed needs --model and --out")
+        build_lora_adapter(args.model, args.out, rank=args.lora_rank, seed=args.lora_seed, quiet=False)
+        return 0
     build_model(args.out or f"models/{args.preset}", args.preset, force=args.force)
     return 0
 

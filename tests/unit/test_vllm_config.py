@@ -311,7 +311,8 @@ def test_kwargs_are_valid_vllm_engine_args():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     options = VLLMOptions(max_num_batched_tokens=4096, quantization="awq", cpu_kv_cache_space_gib=0.5)
-    kw = _kwargs(options, max_model_len=512, kv_transfer=_kv())
+    kw = _kwargs(options, max_model_len=512, kv_transfer=_kv(),
+                 lora={"max_loras": 3, "max_lora_rank": 16, "max_cpu_loras": 3})
     kv = kw.pop("kv_transfer_config")
     args = AsyncEngineArgs(**kw)  # a dataclass: an unknown name raises TypeError
     for key, value in kw.items():

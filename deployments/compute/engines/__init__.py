@@ -27,6 +27,7 @@ def _torch_engine(config, kv_connector=None) -> Engine:
         cpu_nice=config.engine.cpu_nice,
         kv_arena_bytes=config.engine.kv_arena_bytes,
         warmup_prefill_tokens=config.engine.warmup_prefill_tokens if config.engine.warmup else 0,
+        lora_modules=config.model.lora_paths(),
     )
 
 

@@ -24,16 +24,25 @@ TIER_NONE = "none"
 
 
 def block_hashes(
-    model_id: str, tenant: str, token_ids: Sequence[int], block_size: int, salt: Optional[str] = None
+    model_id: str,
+    tenant: str,
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: Optional[str] = None,
+    lora: Optional[str] = None,
 ) -> list[str]:
     """Chained hashes (hex) of the *full* blocks of ``token_ids``; a partial tail is
-    skipped. The chain's root covers the model, the tenant and the request's
+    skipped. The chain's root covers the model, the LoRA adapter that computed the KV
+    (``lora``, its name; None: the base model), the tenant and the request's
     ``cache_salt`` (vLLM's field: a client's own key to its cached prefixes), so blocks
-    are shared only by requests that agree on all three."""
+    are shared only by requests that agree on all four."""
     hashes: list[str] = []
     root = f"{model_id}\x00{tenant}".encode()
+    # Tenant names have no NUL (auth.TENANT_RE), so no tenant reads as a salted one, nor
+    # as one with an adapter.
+    if lora:
+        root += b"\x00lora\x00" + lora.encode()
     if salt:
-        # Tenant names have no NUL (auth.TENANT_RE), so no tenant reads as a salted one.
         root += b"\x00salt\x00" + hashlib.blake2b(salt.encode(), digest_size=16).digest()
     parent = hashlib.blake2b(root, digest_size=16).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -47,11 +56,16 @@ def block_hashes(
 
 def prompt_lookup_hashes(model_id: str, request, block_size: int) -> list[str]:
     """The block hashes ``request``'s prompt is looked up by, wherever that happens (the
-    engine, the router's early lookup, prefix-aware placement): its tenant's and cache
-    salt's chain over every prompt token but the last, which is always prefilled for the
-    first output's logits."""
+    engine, the router's early lookup, prefix-aware placement): its tenant's, cache
+    salt's and adapter's chain over every prompt token but the last, which is always
+    prefilled for the first output's logits."""
     return block_hashes(
-        model_id, request.tenant, request.prompt_token_ids[:-1], block_size, getattr(request, "cache_salt", None)
+        model_id,
+        request.tenant,
+        request.prompt_token_ids[:-1],
+        block_size,
+        getattr(request, "cache_salt", None),
+        getattr(request, "lora", None),
     )
 
 

@@ -159,14 +159,61 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
 
 
+# A batch of rows of several adapters runs every loaded adapter's A on every row when
+# their ranks add up to at most this many (then masks each row to its own adapter's
+# part), else the A and B of the adapters in the batch only, copied out per call.
+LORA_ALL_ADAPTERS_MAX_RANK = 256
+
+
+class LoraRows:
+    """Which LoRA adapters the rows of the batch in the forward pass use, shared by every
+    adapted layer; set by :meth:`LlamaForCausalLM.forward` for its call."""
+
+    __slots__ = ("single", "present", "mask")
+
+    def __init__(self):
+        self.single: Optional[int] = None  # the one adapter (slot) every row uses, if so
+        # Rows of several adapters: the slots the layers compute for (None: every loaded
+        # one) and [batch, 1, ranks] with 1 where a row's own adapter's ranks are.
+        self.present: Optional[list[int]] = None
+        self.mask: Optional[torch.Tensor] = None
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        # LoRA (LlamaForCausalLM.set_adapters), adapters 1..n padded to one rank r:
+        # A of all of them as one [n * r, in] matrix, B per adapter [n, out, r] and as one
+        # [out, n * r] matrix (B times the adapter's scaling; an adapter that does not
+        # adapt this layer has zeros), the batch's rows, and the adapters that adapt it.
+        self.lora: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, LoraRows, frozenset]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is None:
+            return y
+        a_cat, b, b_cat, which, adapted = self.lora
+        if which.single is not None:
+            if which.single not in adapted:
+                return y
+            r = b.shape[2]
+            i = which.single - 1
+            return y + F.linear(F.linear(x, a_cat[i * r : (i + 1) * r]), b[i])
+        if which.mask is None:
+            return y
+        # Rows of several adapters (x is [batch, tokens, in]): two matmuls for all of them,
+        # each row masked to its own adapter's ranks in between. (Per adapter, its rows
+        # selected and added back: 0.6x of this one's throughput in the engine; an A and B
+        # gathered per row: 0.8x, loadtests/lora_overhead.py.)
+        if which.present is None:
+            return y + F.linear(F.linear(x, a_cat) * which.mask, b_cat)
+        n, out, r = b.shape
+        idx = torch.tensor([s - 1 for s in which.present], device=x.device)
+        a_p = a_cat.view(n, r, -1).index_select(0, idx).reshape(len(idx) * r, -1)
+        b_p = b.index_select(0, idx).permute(1, 0, 2).reshape(out, len(idx) * r)
+        return y + F.linear(F.linear(x, a_p) * which.mask, b_p)
 
 
 class Embedding(nn.Module):
@@ -336,6 +383,39 @@ class LlamaForCausalLM(nn.Module):
             p.requires_grad_(False)
         return model.eval()
 
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection a LoRA adapter may adapt (lora.TARGET_MODULES)."""
+        layer = self.model.layers[0]
+        return {
+            name: (proj.weight.shape[1], proj.weight.shape[0])
+            for name, proj in (*layer.self_attn.named_children(), *layer.mlp.named_children())
+            if isinstance(proj, Linear)
+        }
+
+    def set_adapters(self, adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Serve these LoRA adapters (``lora.load_weights`` of each) beside the base
+        weights: adapter i is slot i + 1 of ``forward``'s ``lora_rows``. Ranks are padded
+        with zeros to the largest, so a batch of several adapters is two matmuls a layer."""
+        self._lora_rows = LoraRows()
+        self._lora_count = len(adapters)
+        rank = max((a.shape[0] for weights in adapters for a, _ in weights.values()), default=0)
+        self._lora_rank = rank
+        for module in sorted({m for weights in adapters for m in weights}):
+            linear = self.get_submodule(module)
+            fan_out, fan_in = linear.weight.shape
+            a = linear.weight.new_zeros((len(adapters), rank, fan_in))
+            b = linear.weight.new_zeros((len(adapters), fan_out, rank))
+            adapted = set()
+            for slot, weights in enumerate(adapters, start=1):
+                if module in weights:
+                    la, lb = weights[module]
+                    a[slot - 1, : la.shape[0]] = la.to(a.dtype)
+                    b[slot - 1, :, : lb.shape[1]] = lb.to(b.dtype)
+                    adapted.add(slot)
+            a_cat = a.reshape(len(adapters) * rank, fan_in)
+            b_cat = b.permute(1, 0, 2).reshape(fan_out, len(adapters) * rank).contiguous()
+            linear.lora = (a_cat, b, b_cat, self._lora_rows, frozenset(adapted))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -344,7 +424,36 @@ class LlamaForCausalLM(nn.Module):
         past_key_values=None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
+        lora_rows: Optional[list[int]] = None,
     ) -> CausalLMOutput:
+        """``lora_rows``: the adapter slot of each row (``set_adapters``; 0 or None: the
+        base model)."""
+        which = getattr(self, "_lora_rows", None)
+        if which is None or not lora_rows or not any(lora_rows):
+            return self._forward(input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep)
+        if len(lora_rows) != input_ids.shape[0]:
+            raise ValueError(f"lora_rows has {len(lora_rows)} slots for a batch of {input_ids.shape[0]}")
+        slots = set(lora_rows)
+        if len(slots) == 1:
+            which.single = lora_rows[0]
+        else:
+            r = self._lora_rank
+            if self._lora_count * r <= LORA_ALL_ADAPTERS_MAX_RANK:
+                which.present, place = None, {s: s - 1 for s in range(1, self._lora_count + 1)}
+            else:
+                which.present = sorted(slots - {0})
+                place = {s: i for i, s in enumerate(which.present)}
+            mask = torch.zeros((len(lora_rows), 1, len(place) * r), dtype=self.lm_head.weight.dtype)
+            for row, slot in enumerate(lora_rows):
+                if slot:
+                    mask[row, :, place[slot] * r : (place[slot] + 1) * r] = 1
+            which.mask = mask.to(input_ids.device)
+        try:
+            return self._forward(input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep)
+        finally:
+            which.single = which.present = which.mask = None
+
+    def _forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep):
         layers = past_key_values.layers if (use_cache and past_key_values is not None) else None
         b, q_len = input_ids.shape
         past = 0 if layers is None else layers[0].num_tokens

@@ -103,6 +103,9 @@ class GenerationRequest:
     # vLLM's ``cache_salt``: cached KV is reused only by requests with the same salt (and
     # tenant); it is in every block hash (``kv.block_hashes``). Secret: never logged.
     cache_salt: Optional[str] = None
+    # The LoRA adapter (its configured name, ``model.lora_modules``) to run the request
+    # with; None: the base model. Also in every block hash: an adapter's KV is its own.
+    lora: Optional[str] = None
     session_id: Optional[str] = None
     # The stored record whose DELETE erases the KV blocks this request computes (the
     # data plane lists them under it): a stored response's id; None: the session's

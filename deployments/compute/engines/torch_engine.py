@@ -44,7 +44,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 import torch
 
 from app.host_memory import minor_faults, process_minor_faults
-from deployments.compute.engines import kv_arena, llama
+from deployments.compute.engines import kv_arena, llama, lora
 from deployments.compute.engines.detokenizer import IncrementalDetokenizer
 from deployments.compute.engines.kv import (
     TIER_L1,
@@ -250,6 +250,7 @@ class TorchEngine(Engine):
         warmup_prefill_tokens: int = 0,
         cudnn_attention: bool = False,
         scheduling_policy: str = "fcfs",
+        lora_modules: Optional[dict[str, str]] = None,
     ):
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
@@ -291,6 +292,15 @@ class TorchEngine(Engine):
             self.config = AutoConfig.from_pretrained(self.model_path)
             if model_impl == "auto":
                 logger.info("torch engine: %s runs through transformers (%s)", self.model_path, why)
+        # LoRA adapters (engines/lora.py), applied per row by the native model; slot i + 1
+        # of the model's lora_rows is adapter i.
+        self.lora_adapters = [lora.read_adapter(name, path) for name, path in (lora_modules or {}).items()]
+        self._lora_slots = {a.name: i for i, a in enumerate(self.lora_adapters, start=1)}
+        if self.lora_adapters and self.model_impl != "native":
+            raise ValueError(
+                f"LoRA adapters need the native model (engine.model_impl native or auto); "
+                f"{self.model_path} runs through transformers ({why or 'model_impl transformers'})"
+            )
         self.tokenizer = self._new_tokenizer()
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self._requested_impl = model_impl
@@ -393,6 +403,8 @@ class TorchEngine(Engine):
                 # the checkpoint ran before, it still runs.
                 logger.warning("torch engine: %s runs through transformers: the native model cannot load it (%s)",
                                self.model_path, e)
+                if self.lora_adapters:
+                    raise ValueError(f"LoRA adapters need the native model, which cannot load {self.model_path}: {e}")
                 self.model_impl, self._hf_cache = "transformers", True
             eos = llama.read_json(Path(self.model_path) / "generation_config.json").get(
                 "eos_token_id", self.config.eos_token_id
@@ -413,6 +425,15 @@ class TorchEngine(Engine):
             torch.backends.cuda.enable_cudnn_sdp(False)
             logger.info("torch engine: SDPA's cuDNN backend off (per-shape graph builds); flash/efficient attention")
         self.model = model.to(self.device).eval()
+        if self.lora_adapters:
+            shapes = self.model.lora_shapes()
+            self.model.set_adapters([
+                {m: (a.to(self.device), b.to(self.device))
+                 for m, (a, b) in lora.load_weights(info, self.config.num_hidden_layers, shapes).items()}
+                for info in self.lora_adapters
+            ])
+            logger.info("torch engine: LoRA adapters %s", ", ".join(
+                f"{a.name} (rank {a.rank}, {a.path})" for a in self.lora_adapters))
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
@@ -526,6 +547,14 @@ class TorchEngine(Engine):
             max_model_len=self.max_model_len,
             active_ids=self._active_ids,
         )
+        if request.lora is not None and request.lora not in self._lora_slots:
+            raise RequestRejected(f"no LoRA adapter {request.lora!r} here", param="model")
+
+    def _lora_rows(self, reqs: list[_Request]) -> dict:
+        """The model call's ``lora_rows`` for a batch of ``reqs`` (none without adapters)."""
+        if not self._lora_slots:
+            return {}
+        return {"lora_rows": [self._lora_slots.get(r.request.lora, 0) if r.request.lora else 0 for r in reqs]}
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -826,13 +855,14 @@ class TorchEngine(Engine):
         span: torch.Tensor,
         session_id: Optional[str] = None,
         salt: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> None:
         """Encode and save one finished request's new blocks (listed under its session or
         stored response, ``GenerationRequest.blocks_owner``, if it has one, so deleting
         that erases them)."""
         try:
             root, hashes, blocks = await asyncio.to_thread(
-                self._encode_export, tenant, token_ids, first_block, span, salt
+                self._encode_export, tenant, token_ids, first_block, span, salt, lora
             )
             self._kv.save(tenant, hashes, blocks, session_id, chain_root=root)
             self._kv_stats.blocks_exported += len(blocks)
@@ -841,11 +871,17 @@ class TorchEngine(Engine):
             logger.warning("kv export failed", exc_info=True)
 
     def _encode_export(
-        self, tenant: str, token_ids: list[int], first_block: int, span: torch.Tensor, salt: Optional[str] = None
+        self,
+        tenant: str,
+        token_ids: list[int],
+        first_block: int,
+        span: torch.Tensor,
+        salt: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> tuple[Optional[str], list[str], list[bytes]]:
         """The chain's first hash, and the hashes and stored bytes of its blocks from
         ``first_block`` on (those ``span`` holds)."""
-        chain = block_hashes(self.model_id, tenant, token_ids, self.block_size, salt)
+        chain = block_hashes(self.model_id, tenant, token_ids, self.block_size, salt, lora)
         hashes = chain[first_block:]
         blocks = encode_kv_blocks(span, self.block_size)
         if len(hashes) != len(blocks):
@@ -1056,6 +1092,7 @@ class TorchEngine(Engine):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
+            **self._lora_rows(reqs),
         ).logits
         if all_logits:
             (req,) = reqs
@@ -1091,6 +1128,7 @@ class TorchEngine(Engine):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **self._lora_rows([req]),
         ).logits[:, -1]
         self._sample_into([req], logits, "prefill")
         req.num_imported_tokens = num_prefix
@@ -1129,6 +1167,7 @@ class TorchEngine(Engine):
             position_ids=positions,
             past_key_values=batch.cache,
             use_cache=True,
+            **self._lora_rows(batch.reqs),
         ).logits[:, -1]
         batch.mask = mask
         self._sample_into(batch.reqs, logits, "decode")
@@ -1298,7 +1337,7 @@ class TorchEngine(Engine):
             token_ids = (seq.prompt_token_ids + seq.output_token_ids)[: num_blocks * bs]
             export = functools.partial(
                 self._export, req.request.tenant, token_ids, first_block, span, req.request.blocks_owner,
-                req.request.cache_salt,
+                req.request.cache_salt, req.request.lora,
             )
             req.loop.call_soon_threadsafe(self._start_export, export)
         except Exception:  # noqa: BLE001 - exporting is best effort

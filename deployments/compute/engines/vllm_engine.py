@@ -46,6 +46,7 @@ from deployments.compute.engines.protocol import (
     TokenDelta,
     validate_request,
 )
+from deployments.compute.engines.lora import read_adapter
 from deployments.compute.engines.structured import clean_reason
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,13 +131,15 @@ def engine_args_kwargs(
     on_cpu: bool,
     kv_transfer: Optional[dict[str, Any]] = None,
     scheduling_policy: str = "fcfs",
+    lora: Optional[dict[str, int]] = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for our config (pure: no vLLM import).
 
     Only options that are set are passed, so vLLM's own defaults apply otherwise.
     ``kv_transfer`` (from :func:`kv_transfer_kwargs`) connects vLLM to the data plane: it
     is passed as ``kv_transfer_config`` (a dict here; :meth:`VLLMEngine.start` makes the
-    ``KVTransferConfig``) and fixes vLLM's block size to the connector's.
+    ``KVTransferConfig``) and fixes vLLM's block size to the connector's. ``lora``
+    (:func:`lora_kwargs`) turns LoRA on.
     """
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -182,7 +185,41 @@ def engine_args_kwargs(
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
         kwargs["block_size"] = int(kv_transfer["kv_connector_extra_config"]["block_size"])
+    if lora:
+        kwargs.update(enable_lora=True, **lora)
     return kwargs
+
+
+def lora_kwargs(adapters: list, options: "VLLMOptions", *, on_cpu: bool) -> Optional[dict[str, int]]:
+    """vLLM's LoRA options for the configured adapters (``lora.AdapterInfo``; none: None):
+    ``max_loras`` as configured, else every adapter up to 8 in one batch; ``max_lora_rank``
+    as configured (a ValueError when an adapter's rank is above it), else the smallest
+    vLLM allows that fits; every adapter kept in host memory (``max_cpu_loras``), so none
+    is read from disk again after the start.
+
+    On a CPU, one slot more than there are adapters, always: vLLM's CPU LoRA ops (its
+    ``torch_ops``, vLLM 0.32) read a base-model row's slot index -1 as Python does, the
+    last slot, so a base-model request batched beside adapter requests got the last
+    slot's adapter applied (tests/integration/test_lora.py found it; vllm-project/vllm
+    PR #48421 fixes it upstream). vLLM fills the lowest free slot first, so with more
+    slots than adapters the last one stays empty (zeros) and -1 adds nothing."""
+    if not adapters:
+        return None
+    from deployments.compute.engines.lora import vllm_max_lora_rank
+
+    rank = options.max_lora_rank or vllm_max_lora_rank(adapters)
+    too_big = [f"{a.name} (rank {a.rank})" for a in adapters if a.rank > rank]
+    if too_big:
+        raise ValueError(f"engine.vllm.max_lora_rank is {rank}; adapters above it: {', '.join(too_big)}")
+    max_loras = options.max_loras or min(len(adapters), 8)
+    if on_cpu:
+        if options.max_loras and options.max_loras <= len(adapters):
+            logger.warning(
+                "vLLM CPU build: max_loras %d raised to %d (an empty slot keeps base-model rows "
+                "free of adapters; see lora_kwargs)", options.max_loras, len(adapters) + 1,
+            )
+        max_loras = len(adapters) + 1
+    return {"max_loras": max_loras, "max_lora_rank": rank, "max_cpu_loras": max(max_loras, len(adapters))}
 
 
 def vllm_cache_salt(request: GenerationRequest) -> Optional[str]:
@@ -340,6 +377,7 @@ class VLLMEngine(Engine):
         *,
         engine_kwargs: dict[str, Any],
         max_model_len: Optional[int] = None,
+        lora_modules: Optional[dict[str, str]] = None,
     ):
         from transformers import AutoConfig, AutoTokenizer
 
@@ -358,6 +396,9 @@ class VLLMEngine(Engine):
         self.vocab_size = int(self.config.vocab_size)
         self._llm = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._vllm: dict[str, Any] = {}  # lazily imported vLLM names
+        # LoRA adapters by name (model.lora_modules); their LoRARequests once started.
+        self.lora_modules = dict(lora_modules or {})
+        self._lora_requests: dict[str, Any] = {}
         self._shutdown = False
         self._active_ids: set[str] = set()
         # Written from vLLM's stat logger (same event loop); read by stats().
@@ -397,6 +438,7 @@ class VLLMEngine(Engine):
                 redis_tls=dp.redis.tls_kwargs(),
                 kv_redis_tls=dp.kv_redis.tls_kwargs() if dp.kv_redis else None,
             )
+        adapters = [read_adapter(name, path) for name, path in config.model.lora_paths().items()]
         kwargs = engine_args_kwargs(
             model_path=model_path,
             served_model_name=config.model.id,
@@ -407,8 +449,12 @@ class VLLMEngine(Engine):
             options=config.engine.vllm,
             on_cpu=on_cpu,
             kv_transfer=kv_transfer,
+            lora=lora_kwargs(adapters, config.engine.vllm, on_cpu=on_cpu),
         )
-        return cls(model_path, engine_kwargs=kwargs, max_model_len=config.model.max_model_len)
+        return cls(
+            model_path, engine_kwargs=kwargs, max_model_len=config.model.max_model_len,
+            lora_modules={a.name: a.path for a in adapters},
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -463,6 +509,7 @@ class VLLMEngine(Engine):
         with telemetry.keep_log_handlers():  # vLLM's logging setup would close the replica's log file
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory()])
         self._drop_unread_prometheus_logger()
+        await self._add_adapters()
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.start_seconds = time.monotonic() - started
         logger.info(
@@ -532,6 +579,20 @@ class VLLMEngine(Engine):
         await asyncio.sleep(0)
         await asyncio.to_thread(llm.shutdown)
 
+    async def _add_adapters(self) -> None:
+        """Load every configured LoRA adapter into vLLM now (ids 1..n, as ``vllm serve
+        --lora-modules`` numbers them), so that an adapter vLLM cannot load fails the
+        start, and no request waits for one to load."""
+        from vllm.lora.request import LoRARequest
+
+        for lora_id, (name, path) in enumerate(self.lora_modules.items(), start=1):
+            lora_request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+            if not await self._llm.add_lora(lora_request):
+                raise RuntimeError(f"vLLM did not load LoRA adapter {name!r} ({path})")
+            self._lora_requests[name] = lora_request
+        if self._lora_requests:
+            logger.info("vLLM engine: LoRA adapters %s", ", ".join(self._lora_requests))
+
     async def check_health(self) -> None:
         if self._llm is None:
             raise EngineDeadError("engine shut down" if self._shutdown else "engine not started")
@@ -565,6 +626,8 @@ class VLLMEngine(Engine):
             max_model_len=self.max_model_len,
             active_ids=self._active_ids,
         )
+        if request.lora is not None and request.lora not in self._lora_requests:
+            raise RequestRejected(f"no LoRA adapter {request.lora!r} here", param="model")
 
     def _flush_tail(self, token_ids: list[int], streamed: str, skip_special_tokens: bool = True) -> str:
         """Text vLLM's incremental detokenizer still holds back when a request ends.
@@ -606,7 +669,10 @@ class VLLMEngine(Engine):
         all_token_ids: list[int] = []
         streamed = ""
         self._active_ids.add(request.request_id)
-        stream = llm.generate(prompt, params, request.request_id, priority=request.priority)
+        stream = llm.generate(
+            prompt, params, request.request_id, priority=request.priority,
+            lora_request=self._lora_requests[request.lora] if request.lora else None,
+        )
         try:
             while True:
                 try:

@@ -19,7 +19,8 @@ Contract
 * Tenant, session and the request's ``cache_salt`` come per request in
   ``SamplingParams.extra_args["kv_transfer_params"]`` (``{"tenant": ..., "session_id":
   ..., "cache_salt": ...}``); tenant defaults to ``"default"``; the salt goes into the
-  block names' hash chain as it does for the torch engine.
+  block names' hash chain as it does for the torch engine, and so does the LoRA adapter
+  vLLM runs the request with (``request.lora_request``'s name).
 * Scheduler: ``get_num_new_matched_tokens`` computes the prompt's block hashes (at most
   ``(len-1)//B`` blocks, so one token is always computed) and MGETs their index keys in one
   round trip; the run of present blocks after vLLM's local hit is what it offers to load.
@@ -114,6 +115,13 @@ class Transfer:
 class DataPlaneConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+
+
+def _lora(request: "Request") -> Optional[str]:
+    """The LoRA adapter vLLM runs ``request`` with (its name), or None: its KV is the
+    adapter's own, so the name is in the block hashes (``kv.block_hashes``)."""
+    lora_request = getattr(request, "lora_request", None)
+    return lora_request.lora_name if lora_request is not None else None
 
 
 @dataclass
@@ -227,7 +235,9 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
         tenant, session_id, salt = self._params(request)
         tokens = list(request.all_token_ids)
         n_max = max(0, (len(tokens) - 1) // self._block_size)
-        hashes = block_hashes(self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size, salt)
+        hashes = block_hashes(
+            self._model_ns, tenant, tokens[: n_max * self._block_size], self._block_size, salt, _lora(request)
+        )
         present = [False] * len(hashes)
         client = self._kv_redis.client() if hashes else None
         if client is not None:
@@ -274,7 +284,8 @@ class DataPlaneKVConnector(KVConnectorBase_V1):
             if full <= st.next_block:
                 continue
             hashes = block_hashes(
-                self._model_ns, st.tenant, list(tokens[: full * self._block_size]), self._block_size, st.salt
+                self._model_ns, st.tenant, list(tokens[: full * self._block_size]), self._block_size, st.salt,
+                _lora(req),
             )
             todo = [i for i in range(st.next_block, full) if not (i < len(st.present) and st.present[i])]
             st.next_block = full

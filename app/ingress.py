@@ -72,6 +72,7 @@ from app.sessions import (
 )
 from app.telemetry import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
 from deployments.compute.engines.bad_words import bad_words_token_ids
+from deployments.compute.engines.lora import adapter_of
 from deployments.compute.engines.protocol import GenerationRequest, SamplingParams, TokenDelta
 from deployments.router.deployment import Router, SessionLookup
 
@@ -232,17 +233,19 @@ class _Metrics:
         )
         # By tenant too (the API key's; "default" without keys): what each one used.
         self.prompt_tokens = metrics.Counter(
-            "llm_prompt_tokens", "Prompt tokens, by endpoint and tenant.", tag_keys=("endpoint", "tenant")
+            "llm_prompt_tokens", "Prompt tokens, by endpoint, tenant and model (the base model's id or a "
+            "LoRA adapter's name).", tag_keys=("endpoint", "tenant", "model")
         )
         self.output_tokens = metrics.Counter(
-            "llm_generation_tokens", "Generated tokens, by endpoint and tenant.", tag_keys=("endpoint", "tenant")
+            "llm_generation_tokens", "Generated tokens, by endpoint, tenant and model.",
+            tag_keys=("endpoint", "tenant", "model"),
         )
         self.cached_tokens = metrics.Counter(
             "llm_prompt_cached_tokens",
             "Prompt tokens whose KV was reused (an engine's prefix cache, the data plane's "
-            "L2/L3) instead of prefilled, by endpoint and tenant; over llm_prompt_tokens: "
-            "the cache's hit rate.",
-            tag_keys=("endpoint", "tenant"),
+            "L2/L3) instead of prefilled, by endpoint, tenant and model; over "
+            "llm_prompt_tokens: the cache's hit rate.",
+            tag_keys=("endpoint", "tenant", "model"),
         )
         self.auth_failures = metrics.Counter(
             "llm_auth_failures",
@@ -260,7 +263,8 @@ class _Metrics:
             "(a whole prefill, no cached prefix), echo (a completion's prompt, or vLLM's chat "
             "echo of the message a reply continues, in front of the reply), "
             "priority (a priority other than 0, engine.scheduling_policy priority), "
-            "cache_salt (KV reused only with the same salt).",
+            "cache_salt (KV reused only with the same salt), lora (a LoRA adapter named "
+            "as the model).",
             tag_keys=("endpoint", "feature"),
         )
         self.reply_parses = metrics.Counter(
@@ -378,8 +382,9 @@ def _tool_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def request_features(req, sampling) -> list[str]:
-    """The llm_request_features a request counts toward."""
+def request_features(req, sampling, lora: Optional[str] = None) -> list[str]:
+    """The llm_request_features a request counts toward (``lora``: the adapter it runs
+    with)."""
     features = []
     if sampling.logprobs is not None:
         features.append("logprobs")
@@ -404,6 +409,8 @@ def request_features(req, sampling) -> list[str]:
         features.append("priority")
     if req.cache_salt:
         features.append("cache_salt")
+    if lora:
+        features.append("lora")
     return features
 
 
@@ -425,8 +432,12 @@ class _Call:
         self.finish_reason: Optional[str] = None
         self.trace_id = telemetry.trace_id_hex()
         self.turn: Optional[PendingTurn] = None
-        # A session turn's cache_salt (its blocks' hashes cover it; never logged).
+        # A session turn's cache_salt (its blocks' hashes cover it; never logged) and LoRA
+        # adapter (ditto).
         self.cache_salt: Optional[str] = None
+        self.lora: Optional[str] = None
+        # What the usage metrics count it under: the base model's id or the adapter's name.
+        self.model = ""
         # A session turn's prompt ids, and its generated ids (stored with the reply, see
         # sessions.py).
         self.prompt_ids: Optional[list[int]] = None
@@ -494,6 +505,9 @@ class _LocalStream:
 
 
 class Ingress:
+    # LoRA adapters a request's model may name (model.lora_modules; set per instance).
+    _lora_names: tuple[str, ...] = ()
+
     def __init__(
         self, worker: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
     ):
@@ -515,6 +529,7 @@ class Ingress:
         # crosses one Serve hop (worker → ingress) instead of two.
         self._router = Router(worker, config, dataplane)
         model_path = self._config.model.resolved_path()
+        self._lora_names = tuple(m.name for m in self._config.model.lora_modules)
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
@@ -761,13 +776,18 @@ class Ingress:
             )
         return req
 
-    def _check_model(self, model: str) -> None:
-        if model != self._config.model.id:
+    def _check_model(self, model: str) -> Optional[str]:
+        """The LoRA adapter ``model`` names (None: the base model); a 404 for a model this
+        server does not serve."""
+        try:
+            return adapter_of(model, self._config.model.id, self._lora_names)
+        except KeyError:
+            served = ", ".join(repr(m) for m in (self._config.model.id, *self._lora_names))
             raise NotFoundError(
-                f"The model '{model}' does not exist; this server serves '{self._config.model.id}'.",
+                f"The model '{model}' does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
-            )
+            ) from None
 
     def _max_tokens(self, req, num_prompt: int) -> int:
         """The request's ``max_tokens``, or the default that the context leaves room for;
@@ -817,6 +837,7 @@ class Ingress:
             tenant=tenant,
             priority=req.priority or 0,
             cache_salt=req.cache_salt,
+            lora=self._check_model(req.model),
         )
 
     @staticmethod
@@ -1054,7 +1075,8 @@ class Ingress:
             # The next turn's prompt repeats this prompt and these reply ids exactly: its
             # KV lookup of them may start before that prompt is built (the router's).
             self._router.remember_session_turn(
-                sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids, call.cache_salt
+                sessions.tenant, call.turn.session_id, record.version, call.prompt_ids + ids, call.cache_salt,
+                call.lora,
             )
 
     def _completion_prompt_ids(self, req: CompletionRequest, prompt) -> list[int]:
@@ -1121,7 +1143,7 @@ class Ingress:
         end = time.monotonic()
         num_output = sum(c.num_output_tokens for c in calls)
         self._m.e2e.observe(end - call.received, tags=tags)
-        usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant}
+        usage_tags = {"endpoint": call.endpoint, "tenant": call.tenant, "model": call.model}
         self._m.prompt_tokens.inc(num_prompt, tags=usage_tags)
         num_cached = _cached_tokens(calls)
         if num_cached:
@@ -1405,6 +1427,7 @@ class Ingress:
         for c in calls:
             c.streamed = bool(req.stream)
             c.received, c.started = received, started
+            c.model = gen_request.lora or self._config.model.id
             if not req.stream and gen_request.sampling.logprobs is not None:
                 c.logprob_items = []
         call = calls[0]
@@ -1413,6 +1436,7 @@ class Ingress:
             call.output_ids = []
             call.prompt_ids = prompt_ids
             call.cache_salt = req.cache_salt
+            call.lora = gen_request.lora
         elif getattr(req, "history", None) is not None:
             call.output_ids = []  # a Responses reply, stored with its ids
         parsing = getattr(req, "reply_parsing", None)
@@ -1438,8 +1462,10 @@ class Ingress:
         span.set_attribute("llm.stream", req.stream)
         span.set_attribute("llm.n", req.n)
         sampling = gen_request.sampling  # what the schema's methods gave, computed once
-        for feature in request_features(req, sampling):
+        for feature in request_features(req, sampling, gen_request.lora):
             self._m.features.inc(tags={"endpoint": endpoint, "feature": feature})
+        if gen_request.lora:
+            span.set_attribute("llm.lora", gen_request.lora)
         if sampling.logprobs is not None:
             span.set_attribute("llm.logprobs", sampling.logprobs)
         if sampling.structured_output is not None:
@@ -2090,30 +2116,30 @@ class IngressDeployment(Ingress, GrpcIngress):
         return JSONResponse(self._models())
 
     def _models(self) -> dict:
+        """The base model, then each LoRA adapter with the base as its ``parent`` (vLLM's
+        cards; ``root`` is the base's id, not a path on the server)."""
+        base = self._config.model.id
+        card = {"object": "model", "created": self._created, "owned_by": "llm-serving", "max_model_len": self._max_model_len}
         return {
             "object": "list",
             "data": [
-                {
-                    "id": self._config.model.id,
-                    "object": "model",
-                    "created": self._created,
-                    "owned_by": "llm-serving",
-                    "max_model_len": self._max_model_len,
-                }
+                {"id": base, **card, "root": base, "parent": None},
+                *({"id": name, **card, "root": base, "parent": base} for name in self._lora_names),
             ],
         }
 
-    @fastapi_app.get("/v1/models/{model_id}")
+    @fastapi_app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
         try:
             self._authenticate(request)
         except APIError as e:
             return error_response(e)
-        if model_id != self._config.model.id:
+        card = next((c for c in self._models()["data"] if c["id"] == model_id), None)
+        if card is None:
             return error_response(
                 NotFoundError(f"The model '{model_id}' does not exist.", code="model_not_found")
             )
-        return JSONResponse(self._models()["data"][0])
+        return JSONResponse(card)
 
     def _require_sessions(self, request: Request, missing: tuple[str, Optional[str]] = NO_SESSIONS) -> SessionClient:
         """The sessions client of ``request``'s tenant (its API key checked first); a 404

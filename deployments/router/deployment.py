@@ -401,17 +401,25 @@ class Router:
         self._m_session_lookups.inc(tags={"result": "stale"})
 
     def remember_session_turn(
-        self, tenant: str, session_id: str, version: int, token_ids: list[int], salt: Optional[str] = None
+        self,
+        tenant: str,
+        session_id: str,
+        version: int,
+        token_ids: list[int],
+        salt: Optional[str] = None,
+        lora: Optional[str] = None,
     ) -> None:
         """Keep the block hashes of a session turn (``token_ids``: its prompt and the
         reply's ids as stored with the session, which the next turn's prompt repeats;
-        ``salt``: the turn's ``cache_salt``) and the session's ``version`` after it, for
+        ``salt``, ``lora``: the turn's ``cache_salt`` and adapter; a next turn with others
+        looks up other hashes, and the worker drops this lookup as not its own) and the
+        session's ``version`` after it, for
         :meth:`start_session_lookup`. Only where this router's lookups go through the
         data plane (the torch engine)."""
         dc = self._config.dataplane
         if self._dataplane is None or self._config.engine.name != "torch" or not dc.kv_reuse:
             return
-        chain = block_hashes(self._config.model.id, tenant, token_ids, dc.block_size, salt)
+        chain = block_hashes(self._config.model.id, tenant, token_ids, dc.block_size, salt, lora)
         if not chain:
             return
         key = (tenant, session_id)

@@ -142,8 +142,11 @@ def build_app(args: dict | None = None) -> Application:
     # with its reason instead of every worker replica's start.
     from deployments.compute.engines.lora import read_adapter
 
-    for name, path in config.model.lora_paths().items():
-        read_adapter(name, path)
+    adapters = [read_adapter(name, path) for name, path in config.model.lora_paths().items()]
+    if adapters and config.engine.name == "vllm":
+        from deployments.compute.engines.vllm_engine import lora_kwargs
+
+        lora_kwargs(adapters, config.engine.vllm, on_cpu=False)  # a max_lora_rank below an adapter's
     resolved = config.model_copy(
         update={"model": config.model.model_copy(update={
             "path": str(config.model.resolved_path()),

@@ -183,3 +183,14 @@ def test_the_torch_engine_refuses_an_adapter_it_does_not_hold(tiny_model_path, a
     assert e.value.param == "model"
     with pytest.raises(ValueError, match="native model"):
         TorchEngine(str(tiny_model_path), model_impl="transformers", lora_modules={"a1": str(adapters["a1"])})
+
+
+def test_build_app_refuses_an_adapter_before_any_replica_starts(tmp_path, adapters):
+    from app.builder import build_app
+
+    base = {"model": {"lora_modules": [{"name": "a1", "path": str(adapters["a1"])}]}}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora"):
+        build_app({"model": {"lora_modules": [{"name": "d", "path": str(tmp_path)}]}})
+    with pytest.raises(ValueError, match=r"max_lora_rank is 1; adapters above it: a1 \(rank 8\)"):
+        build_app({**base, "engine": {"name": "vllm", "vllm": {"max_lora_rank": 1}}})

@@ -173,9 +173,10 @@ class LoraRows:
 
     def __init__(self):
         self.single: Optional[int] = None  # the one adapter (slot) every row uses, if so
-        # Rows of several adapters: the slots the layers compute for (None: every loaded
-        # one) and [batch, 1, ranks] with 1 where a row's own adapter's ranks are.
-        self.present: Optional[list[int]] = None
+        # Rows of several adapters: the adapters the layers compute for (their indices,
+        # slot - 1; None: every loaded one) and [batch, 1, ranks] with 1 where a row's
+        # own adapter's ranks are.
+        self.present: Optional[torch.Tensor] = None
         self.mask: Optional[torch.Tensor] = None
 
 
@@ -210,7 +211,7 @@ class Linear(nn.Module):
         if which.present is None:
             return y + F.linear(F.linear(x, a_cat) * which.mask, b_cat)
         n, out, r = b.shape
-        idx = torch.tensor([s - 1 for s in which.present], device=x.device)
+        idx = which.present
         a_p = a_cat.view(n, r, -1).index_select(0, idx).reshape(len(idx) * r, -1)
         b_p = b.index_select(0, idx).permute(1, 0, 2).reshape(out, len(idx) * r)
         return y + F.linear(F.linear(x, a_p) * which.mask, b_p)
@@ -441,8 +442,9 @@ class LlamaForCausalLM(nn.Module):
             if self._lora_count * r <= LORA_ALL_ADAPTERS_MAX_RANK:
                 which.present, place = None, {s: s - 1 for s in range(1, self._lora_count + 1)}
             else:
-                which.present = sorted(slots - {0})
-                place = {s: i for i, s in enumerate(which.present)}
+                present = sorted(slots - {0})
+                which.present = torch.tensor([s - 1 for s in present], device=input_ids.device)
+                place = {s: i for i, s in enumerate(present)}
             mask = torch.zeros((len(lora_rows), 1, len(place) * r), dtype=self.lm_head.weight.dtype)
             for row, slot in enumerate(lora_rows):
                 if slot:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from ray.serve import Application
 
-from app.config import AppConfig, LoraModule
+from app.config import AppConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -150,7 +150,7 @@ def build_app(args: dict | None = None) -> Application:
     resolved = config.model_copy(
         update={"model": config.model.model_copy(update={
             "path": str(config.model.resolved_path()),
-            "lora_modules": [LoraModule(name=n, path=p) for n, p in config.model.lora_paths().items()],
+            "lora_modules": [m.model_copy(update={"path": str(m.resolved_path())}) for m in config.model.lora_modules],
         })}
     )
     payload = resolved.model_dump(mode="json")

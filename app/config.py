@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -53,6 +53,14 @@ class LoraModule(_Strict):
         min_length=1,
         description="Local directory of the adapter in PEFT's format (adapter_config.json, "
         "adapter_model.safetensors). Relative paths resolve as `model.path` does.",
+    )
+    tenants: Optional[list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]]] = Field(
+        default=None,
+        min_length=1,
+        description="Only these tenants (API keys' tenants, security.api_keys) may use the "
+        "adapter; to any other it does not exist (a 404, and /v1/models leaves it out), as "
+        "another tenant's session does not. Unset: every tenant. Without API keys every "
+        "request is tenant `default`.",
     )
 
     def resolved_path(self) -> Path:
@@ -129,6 +137,10 @@ class ModelConfig(_Strict):
     def lora_paths(self) -> dict[str, str]:
         """Each adapter's name and absolute path, in the configured order."""
         return {m.name: str(m.resolved_path()) for m in self.lora_modules}
+
+    def lora_tenants(self) -> dict[str, Optional[frozenset[str]]]:
+        """Each adapter's name and the tenants that may use it (None: every tenant)."""
+        return {m.name: None if m.tenants is None else frozenset(m.tenants) for m in self.lora_modules}
 
     def resolved_path(self) -> Path:
         return Path(self.path).expanduser().resolve()

@@ -505,8 +505,10 @@ class _LocalStream:
 
 
 class Ingress:
-    # LoRA adapters a request's model may name (model.lora_modules; set per instance).
+    # LoRA adapters a request's model may name (model.lora_modules; set per instance),
+    # and the tenants each is for (None: all).
     _lora_names: tuple[str, ...] = ()
+    _lora_tenants: dict[str, Optional[frozenset[str]]] = {}
 
     def __init__(
         self, worker: DeploymentHandle, config: dict, dataplane: Optional[DeploymentHandle] = None
@@ -530,6 +532,7 @@ class Ingress:
         self._router = Router(worker, config, dataplane)
         model_path = self._config.model.resolved_path()
         self._lora_names = tuple(m.name for m in self._config.model.lora_modules)
+        self._lora_tenants = self._config.model.lora_tenants()
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         # One output token's text in a logprobs entry (vLLM's: the token decoded alone).
@@ -738,7 +741,7 @@ class Ingress:
         ids = call.prompt_logprob_ids
         return [(ids[0], None)] + [(t, (lp, top[:k])) for t, (lp, _, top) in zip(ids[1:], call.prompt_logprobs[1:])]
 
-    def _validate(self, schema, data: dict):
+    def _validate(self, schema, data: dict, tenant: str = DEFAULT_TENANT):
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
@@ -755,7 +758,7 @@ class Ingress:
                 first = e.errors()[0]
                 raise InvalidRequestError(f"Invalid 'tools': {first['msg']}", param="tools") from None
         refuse_unsupported(req)
-        self._check_model(req.model)
+        self._check_model(req.model, tenant)
         if req.bad_words:
             # As vLLM checks them (a word that makes no token, too many sequences), with
             # the engines' tokenizer: a 400 before any engine sees the request.
@@ -776,13 +779,20 @@ class Ingress:
             )
         return req
 
-    def _check_model(self, model: str) -> Optional[str]:
+    def _adapters_of(self, tenant: str) -> tuple[str, ...]:
+        """The LoRA adapters ``tenant`` may use (model.lora_modules' ``tenants``)."""
+        allowed = self._lora_tenants
+        return tuple(n for n in self._lora_names if allowed.get(n) is None or tenant in allowed[n])
+
+    def _check_model(self, model: str, tenant: str = DEFAULT_TENANT) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model); a 404 for a model this
-        server does not serve."""
+        server does not serve to ``tenant`` (an adapter for other tenants included: as
+        another tenant's session, it does not exist for this one)."""
+        names = self._adapters_of(tenant)
         try:
-            return adapter_of(model, self._config.model.id, self._lora_names)
+            return adapter_of(model, self._config.model.id, names)
         except KeyError:
-            served = ", ".join(repr(m) for m in (self._config.model.id, *self._lora_names))
+            served = ", ".join(repr(m) for m in (self._config.model.id, *names))
             raise NotFoundError(
                 f"The model '{model}' does not exist; this server serves {served}.",
                 param="model",
@@ -837,7 +847,7 @@ class Ingress:
             tenant=tenant,
             priority=req.priority or 0,
             cache_salt=req.cache_salt,
-            lora=self._check_model(req.model),
+            lora=self._check_model(req.model, tenant),
         )
 
     @staticmethod
@@ -1265,9 +1275,11 @@ class Ingress:
                 if early_session is not None:
                     session_lookup = self._start_session_lookup(sessions, request.headers.get("x-session-id"))
                 if schema is ResponsesRequest:
-                    req, responding = await self._responses_request(request, await self._read_json(request), sessions)
+                    req, responding = await self._responses_request(
+                        request, await self._read_json(request), sessions, tenant
+                    )
                 else:
-                    req = self._validate(schema, await self._read_json(request))
+                    req = self._validate(schema, await self._read_json(request), tenant)
                 turn = check = None
                 more_prompts: list[list[int]] = []
                 places = self._router.max_tenant_places
@@ -1848,7 +1860,9 @@ class Ingress:
 
     # ---- the Responses API (app/responses.py) ------------------------------------------
 
-    async def _responses_request(self, request: Request, body: dict, sessions: Optional[SessionClient]):
+    async def _responses_request(
+        self, request: Request, body: dict, sessions: Optional[SessionClient], tenant: str = DEFAULT_TENANT
+    ):
         """The chat request that serves a Responses request's body, with the previous
         response's conversation (read from the store) and the instructions in front."""
         rreq = responses.parse_request(body)
@@ -1883,7 +1897,7 @@ class Ingress:
             history = record.messages
         new_messages = responses.input_messages(rreq)
         # (Its errors name chat fields: _serve names the Responses ones, responses_error.)
-        req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages))
+        req = self._validate(ChatCompletionRequest, responses.to_chat(rreq, new_messages), tenant)
         req.history = responses.instruction_messages(rreq) + responses.history_messages(history)
         if rreq.store and sessions is None:
             rreq.store = False  # what the response object says: nothing here stores it
@@ -1902,15 +1916,15 @@ class Ingress:
         ``llm_requests_total`` and traced."""
         with self._tracer.start_as_current_span(f"ingress.{endpoint}") as span:
             try:
-                self._authenticate(request, span)
-                answer = JSONResponse(work(request, await self._read_json(request)))
+                tenant = self._authenticate(request, span)
+                answer = JSONResponse(work(request, await self._read_json(request), tenant))
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
                 answer = error_response(to_api_error(e))
             span.set_attribute("http.status_code", answer.status_code)
             self._m.requests.inc(tags={"endpoint": endpoint, "status": str(answer.status_code)})
         return answer
 
-    def _tokenizer_body(self, schema, request: Request, body: dict):
+    def _tokenizer_body(self, schema, request: Request, body: dict, tenant: str = DEFAULT_TENANT):
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
@@ -1919,13 +1933,13 @@ class Ingress:
                                       "its size in tokens.")
         refuse_unsupported(req)
         if req.model is not None:  # optional here, as in vLLM's
-            self._check_model(req.model)
+            self._check_model(req.model, tenant)
         return req
 
-    def _tokenize(self, request: Request, body: dict) -> dict:
+    def _tokenize(self, request: Request, body: dict, tenant: str = DEFAULT_TENANT) -> dict:
         """The prompt ids a completion (``prompt``) or a chat (``messages``) request would
         have here, as vLLM's /tokenize gives them."""
-        req = self._tokenizer_body(TokenizeRequest, request, body)
+        req = self._tokenizer_body(TokenizeRequest, request, body, tenant)
         req.check_form()
         if req.prompt is not None:
             ids = self._tokenizer.encode(req.prompt, add_special_tokens=req.special_tokens())
@@ -1948,8 +1962,8 @@ class Ingress:
         strs = self._tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids, "token_strs": strs}
 
-    def _detokenize(self, request: Request, body: dict) -> dict:
-        req = self._tokenizer_body(DetokenizeRequest, request, body)
+    def _detokenize(self, request: Request, body: dict, tenant: str = DEFAULT_TENANT) -> dict:
+        req = self._tokenizer_body(DetokenizeRequest, request, body, tenant)
         vocab = len(self._tokenizer)
         for i, t in enumerate(req.tokens):
             if t >= vocab:
@@ -2110,31 +2124,31 @@ class IngressDeployment(Ingress, GrpcIngress):
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
-            self._authenticate(request)
+            tenant = self._authenticate(request)
         except APIError as e:
             return error_response(e)
-        return JSONResponse(self._models())
+        return JSONResponse(self._models(tenant))
 
-    def _models(self) -> dict:
-        """The base model, then each LoRA adapter with the base as its ``parent`` (vLLM's
-        cards; ``root`` is the base's id, not a path on the server)."""
+    def _models(self, tenant: str = DEFAULT_TENANT) -> dict:
+        """The base model, then each LoRA adapter ``tenant`` may use, with the base as its
+        ``parent`` (vLLM's cards; ``root`` is the base's id, not a path on the server)."""
         base = self._config.model.id
         card = {"object": "model", "created": self._created, "owned_by": "llm-serving", "max_model_len": self._max_model_len}
         return {
             "object": "list",
             "data": [
                 {"id": base, **card, "root": base, "parent": None},
-                *({"id": name, **card, "root": base, "parent": base} for name in self._lora_names),
+                *({"id": name, **card, "root": base, "parent": base} for name in self._adapters_of(tenant)),
             ],
         }
 
     @fastapi_app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
         try:
-            self._authenticate(request)
+            tenant = self._authenticate(request)
         except APIError as e:
             return error_response(e)
-        card = next((c for c in self._models()["data"] if c["id"] == model_id), None)
+        card = next((c for c in self._models(tenant)["data"] if c["id"] == model_id), None)
         if card is None:
             return error_response(
                 NotFoundError(f"The model '{model_id}' does not exist.", code="model_not_found")

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from app.model_builder import build_lora_adapter
 from tests.fixtures.models import get_model_path
 from tests.fixtures.serve_app import (
     ENGINE_ARGS,
@@ -43,9 +44,13 @@ def keyed_app(request, tmp_path_factory, ray_cluster, redis_server, http_port):
         pytest.skip("vLLM is not installed here")
     keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
     keys_file.write_text(f"# tenant:key\nacme:{ACME}\nglobex:{GLOBEX}\ninitech:{INITECH}\n")
+    # A LoRA adapter for acme alone, and one for every tenant.
+    adapter = build_lora_adapter(get_model_path("tiny"), tmp_path_factory.mktemp("lora") / "a", seed=5)
     args = app_args(
         get_model_path("tiny"),
         redis_server.url,
+        model={"lora_modules": [{"name": "acme-sql", "path": str(adapter), "tenants": ["acme"]},
+                                {"name": "shared", "path": str(adapter)}]},
         engine=ENGINE_ARGS[engine],
         security={
             "api_keys_file": str(keys_file), "reload_interval_s": RELOAD_S,
@@ -373,6 +378,37 @@ def test_a_tenants_rate_limits_hold_its_requests_and_tokens_and_no_one_elses(key
 
 
 # Last in the module: it revokes globex's key (the next engine's app starts with both).
+def test_an_adapter_for_one_tenant_does_not_exist_for_the_others(keyed_app):
+    _, base, _ = keyed_app
+
+    def ask(key, method, path, body=None):
+        return httpx.request(method, base + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+    completion = {"model": "acme-sql", "prompt": [1, 2, 3], "max_tokens": 2}
+    assert ask(ACME, "POST", "/v1/completions", completion).status_code == 200
+    assert [m["id"] for m in ask(ACME, "GET", "/v1/models").json()["data"]] == ["tiny-llama", "acme-sql", "shared"]
+    assert ask(ACME, "GET", "/v1/models/acme-sql").status_code == 200
+    # globex: every way of naming it is a 404, as for a name nobody configured, and no
+    # message or list shows it.
+    assert [m["id"] for m in ask(GLOBEX, "GET", "/v1/models").json()["data"]] == ["tiny-llama", "shared"]
+    for method, path, body in (
+        ("POST", "/v1/completions", completion),
+        ("POST", "/v1/completions", {**completion, "model": "tiny-llama:acme-sql"}),
+        ("POST", "/v1/chat/completions", {"model": "acme-sql", "messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/v1/responses", {"model": "acme-sql", "input": "hi", "store": False}),
+        ("POST", "/tokenize", {"model": "acme-sql", "prompt": "hi"}),
+        ("GET", "/v1/models/acme-sql", None),
+    ):
+        reply = ask(GLOBEX, method, path, body)
+        assert reply.status_code == 404, (path, reply.text)
+        # The same answer as for a name nobody configured (the name sent aside).
+        unknown = ask(GLOBEX, method, path.replace("acme-sql", "nobodys"),
+                      body and {k: (v.replace("acme-sql", "nobodys") if isinstance(v, str) else v) for k, v in body.items()})
+        assert reply.text.replace("acme-sql", "NAME") == unknown.text.replace("nobodys", "NAME"), (reply.text, unknown.text)
+    assert ask(GLOBEX, "POST", "/v1/completions", {**completion, "model": "shared"}).status_code == 200
+
+
+# Last: it revokes globex's and initech's keys.
 def test_a_key_revoked_in_the_file_is_refused_without_a_restart(keyed_app):
     _, base, keys_file = keyed_app
     headers = {"Authorization": f"Bearer {GLOBEX}"}
@@ -383,3 +419,4 @@ def test_a_key_revoked_in_the_file_is_refused_without_a_restart(keyed_app):
     wait_for(lambda: httpx.get(base + "/v1/models", headers=headers, timeout=30).status_code == 401,
              10 * RELOAD_S + 10, "globex's key refused")
     assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {ACME}"}, timeout=30).status_code == 200
+

@@ -194,3 +194,16 @@ def test_build_app_refuses_an_adapter_before_any_replica_starts(tmp_path, adapte
         build_app({"model": {"lora_modules": [{"name": "d", "path": str(tmp_path)}]}})
     with pytest.raises(ValueError, match=r"max_lora_rank is 1; adapters above it: a1 \(rank 8\)"):
         build_app({**base, "engine": {"name": "vllm", "vllm": {"max_lora_rank": 1}}})
+
+
+def test_an_adapters_tenants_are_checked_names():
+    from pydantic import ValidationError
+
+    from app.config import AppConfig
+
+    cfg = AppConfig.model_validate({"model": {"lora_modules": [
+        {"name": "a", "path": "x", "tenants": ["acme", "globex"]}, {"name": "b", "path": "y"}]}})
+    assert cfg.model.lora_tenants() == {"a": frozenset({"acme", "globex"}), "b": None}
+    for tenants in ([], ["not a tenant"]):
+        with pytest.raises(ValidationError):
+            AppConfig.model_validate({"model": {"lora_modules": [{"name": "a", "path": "x", "tenants": tenants}]}})

@@ -136,8 +136,6 @@ def build_app(args: dict | None = None) -> Application:
         from app.model_builder import ensure_model
 
         ensure_model(config.model.resolved_path(), config.model.build_preset)
-    # Deployments get the config with the model path made absolute: replicas do not
-    # share the driver's working directory.
     # Adapters are read here too, so that one the engines cannot apply fails the deploy
     # with its reason instead of every worker replica's start.
     from deployments.compute.engines.lora import read_adapter
@@ -147,6 +145,8 @@ def build_app(args: dict | None = None) -> Application:
         from deployments.compute.engines.vllm_engine import lora_kwargs
 
         lora_kwargs(adapters, config.engine.vllm, on_cpu=False)  # a max_lora_rank below an adapter's
+    # Deployments get the config with the model and adapter paths made absolute: replicas
+    # do not share the driver's working directory.
     resolved = config.model_copy(
         update={"model": config.model.model_copy(update={
             "path": str(config.model.resolved_path()),

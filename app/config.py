@@ -14,6 +14,10 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.auth import TENANT_RE
+from deployments.compute.engines.lora import NAME_RE as LORA_NAME_RE
+from deployments.compute.engines.lora import VLLM_MAX_LORA_RANKS
+
 
 class _Strict(BaseModel):
     # An unknown key is an error that names it: a typo must not be silently ignored.
@@ -46,7 +50,7 @@ ROLE_RESOURCES_DESCRIPTION = (
 
 class LoraModule(_Strict):
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$",
+        pattern=LORA_NAME_RE.pattern,
         description="What clients send as `model` to use the adapter (or `<model.id>:<name>`).",
     )
     path: str = Field(
@@ -54,7 +58,7 @@ class LoraModule(_Strict):
         description="Local directory of the adapter in PEFT's format (adapter_config.json, "
         "adapter_model.safetensors). Relative paths resolve as `model.path` does.",
     )
-    tenants: Optional[list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]]] = Field(
+    tenants: Optional[list[Annotated[str, Field(pattern=TENANT_RE.pattern)]]] = Field(
         default=None,
         min_length=1,
         description="Only these tenants (API keys' tenants, security.api_keys) may use the "
@@ -194,7 +198,7 @@ class VLLMOptions(_Strict):
         description="With model.lora_modules: most adapters in one batch (vLLM's "
         "max_loras; each takes GPU memory). Default: every adapter, at most 8.",
     )
-    max_lora_rank: Optional[Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]] = Field(
+    max_lora_rank: Optional[Literal[VLLM_MAX_LORA_RANKS]] = Field(
         default=None,
         description="With model.lora_modules: vLLM's max_lora_rank. Default: the smallest "
         "that fits every configured adapter's rank.",
@@ -568,8 +572,6 @@ class RateLimitsConfig(TenantRateLimits):
 
     @model_validator(mode="after")
     def _tenant_names(self) -> "RateLimitsConfig":
-        from app.auth import TENANT_RE
-
         for name in self.tenants:
             if not TENANT_RE.match(name):
                 raise ValueError(f"rate_limits.tenants: {name!r} is not a tenant name (letters, digits, "

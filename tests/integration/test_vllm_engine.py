@@ -285,7 +285,6 @@ async def test_slow_consumer_gets_coalesced_deltas(engine):
     assert deltas[-1].num_output_tokens == 40
 
 
-# Keep last: it kills the module's EngineCore.
 async def test_bad_words_are_ruled_out_of_the_reply(engine):
     await check_bad_words(engine, encode(engine, PROMPTS[1]))
 
@@ -316,6 +315,7 @@ async def test_waiting_requests_start_by_priority_under_the_priority_policy(tiny
     assert order == [1, 3, 2, 0]
 
 
+# Keep last: it kills the module's EngineCore.
 async def test_dead_engine_core_fails_health_and_requests(engine):
     import psutil
 

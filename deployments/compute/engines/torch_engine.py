@@ -554,7 +554,7 @@ class TorchEngine(Engine):
         """The model call's ``lora_rows`` for a batch of ``reqs`` (none without adapters)."""
         if not self._lora_slots:
             return {}
-        return {"lora_rows": [self._lora_slots.get(r.request.lora, 0) if r.request.lora else 0 for r in reqs]}
+        return {"lora_rows": [self._lora_slots.get(r.request.lora, 0) for r in reqs]}
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._loop_tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -8,7 +8,8 @@ same machine; the bounds that limit it; and how long a worker waits for a prefix
 
 Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
 through its Serve handle, as a compute worker drives it (blocks travel through Ray's
-object store): ``put_blocks_packed`` (into host memory, written behind to Redis),
+object store): ``DataPlaneKVConnector.put`` (the blocks put into the object store here,
+then kept by reference in the data plane's host memory, written behind to Redis),
 ``get_block_refs`` plus mapping the referenced objects here, the worker's read, from
 host memory (L2: once right after the puts, while the replicas write them behind to
 Redis, and again once that finished); after ``flush_l2``, from Redis (L3) as a worker
@@ -112,11 +113,25 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
     ]
     total = sum(len(b) for b in blocks)
+    connector = DataPlaneKVConnector(handle, 16, timeout_s=120, l3_reader=reader)
 
-    # As the worker's connector sends them: one uint8 view per block, which Ray copies
-    # straight into its object store (building the views is part of the timed call).
+    # As the worker's connector sends them (``DataPlaneKVConnector.put``): one copy
+    # into the object store here, then the data plane keeps that object by reference.
     def put(g):
-        return lambda: handle.put_blocks_packed.remote(tenant, g[0], *block_arrays(g[1]), shard_key=g[0][0])
+        return lambda: connector.put(tenant, g[0], g[1], chain_root=g[0][0])
+
+    # The form before 2026-12-06, for comparison in the same round: one uint8 view per
+    # block in the call (Ray copies them into its store), which the data plane then copied
+    # into an object of its own. Its own tenant, written behind and flushed before ours.
+    def put_in_call(g):
+        return lambda: handle.put_blocks_packed.remote(
+            f"{tenant}-call", g[0], *block_arrays(g[1]), shard_key=g[0][0]
+        )
+
+    put_in_call_gbps, stored = await _timed([put_in_call(g) for g in groups], concurrency, total)
+    assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
+    await write_behind_done(handle)
+    await flush_all(handle)
 
     # As the worker's connector reads them: references into the data plane's object-store
     # copy, then mapped here (on this node, without a copy; across nodes Ray moves them).
@@ -135,7 +150,6 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     # connector asks the data plane, reads the blocks from Redis itself and checks them,
     # then has the data plane promote them into L2 a second later (PROMOTE_DELAY_S; not
     # waited for by the worker, and mostly after the timed reads).
-    connector = DataPlaneKVConnector(handle, 16, timeout_s=120, l3_reader=reader)
 
     def get_direct(g):
         return lambda: connector.load(tenant, g[0])
@@ -166,6 +180,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     await flush_all(handle)  # the next round starts from an empty L2
     return {
         "put": put_gbps,
+        "put_in_call": put_in_call_gbps,
         "get_l2": get_l2_gbps,
         "get_l3": get_l3_gbps,
         "get_l3_through_dataplane": get_l3_dataplane_gbps,
@@ -250,13 +265,15 @@ async def measure_bounds(payload_bytes: int, calls: int, concurrency: int, round
         record("serve_handle_get", (await _timed([echo.get.remote] * calls, concurrency, total))[0])
         record("serve_handle_put", (await _timed([lambda: echo.put.remote(arr)] * calls, concurrency, total))[0])
         if quiet_dataplane is not None:
-            from deployments.dataplane.blocks import BlockHeader, block_arrays, encode_block
+            from deployments.dataplane.blocks import BlockHeader, encode_block
+            from deployments.dataplane.connector import DataPlaneKVConnector
 
             qblocks = [encode_block(BlockHeader("uint8", (block - 128,)), os.urandom(block - 128)) for _ in range(nblocks)]
+            quiet = DataPlaneKVConnector(quiet_dataplane, 16, timeout_s=120)
 
             def quiet_put(i, blocks=qblocks):
                 hashes = [f"q{len(out.get('dataplane_put_no_write_behind', []))}-{i}-{j}" for j in range(nblocks)]
-                return lambda: quiet_dataplane.put_blocks_packed.remote("quiet", hashes, *block_arrays(blocks), shard_key=hashes[0])
+                return lambda: quiet.put("quiet", hashes, blocks)
 
             record("dataplane_put_no_write_behind", (await _timed([quiet_put(i) for i in range(calls)], concurrency, total))[0])
 
@@ -429,6 +446,7 @@ def main(argv=None) -> int:
                 for suffix, ref in (("", peer), ("_keyspace", peer_keys)):
                     ratios.update({
                         f"put_over_redis_set{suffix}": ours["put"] / ref["set"],
+                        f"put_in_call_over_redis_set{suffix}": ours["put_in_call"] / ref["set"],
                         f"get_l3_over_redis_get{suffix}": ours["get_l3"] / ref["get"],
                         f"get_l3_through_dataplane_over_redis_get{suffix}": ours["get_l3_through_dataplane"] / ref["get"],
                         f"get_l2_over_redis_get{suffix}": ours["get_l2"] / ref["get"],

@@ -193,6 +193,7 @@ class ComputeWorker(DrainsOnStop):
                 ("direct_l3_reads", "Prefix loads whose L3 blocks this worker read from Redis itself."),
                 ("direct_l3_blocks", "L3 blocks this worker read from Redis itself."),
                 ("direct_l3_bytes", "Bytes of L3 blocks this worker read from Redis itself."),
+                ("lost_refs", "Prefix loads that found an L2 object's owner (the worker that put it) gone and read the blocks inline from the data plane instead."),
                 ("direct_l3_fallbacks", "Prefix loads whose L3 blocks the data plane read instead (Redis unreachable from the worker, a block gone or corrupt)."),
             )
         }
@@ -351,6 +352,7 @@ class ComputeWorker(DrainsOnStop):
         return {name: getattr(s, name) for name in self._m_kv_counters if hasattr(s, name)} | {
             "early_lookups_used": early.get("used", 0),
             "early_lookups_failed": early.get("failed", 0),
+            "lost_refs": getattr(self._kv_connector, "lost_refs", 0),
             **{f"direct_l3_{k}": v for k, v in getattr(self._kv_connector, "direct_l3", {}).items()},
             "lookups": s.lookups,
             "arena_used_bytes": getattr(s, "arena_used_bytes", 0),

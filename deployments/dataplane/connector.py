@@ -5,7 +5,10 @@ DataPlane shard and a lookup is one call. Any failure of the data plane (replica
 timeout, Redis trouble surfacing as an error) is a miss, logged, never raised to the
 engine; ``save`` returns at once and only logs its errors.
 
-Blocks in L2 come as references into the data plane's object-store copies. Blocks only in
+A save puts its blocks into one object of Ray's object store here and hands the data plane
+the reference, which L2 keeps (on this node without a copy; see ``DataPlane.put_block_refs``).
+Blocks in L2 come as references into the data plane's objects; one whose owner, the
+worker that saved it, is gone and cannot be fetched from here comes inline instead. Blocks only in
 L3 are read from Redis by the worker itself when it has a ``BlockReader``
 (``dataplane.direct_l3_reads``): one transfer, checked here, instead of the data plane's
 MGET, its copy into the object store and the worker's mapping of it; the data plane is
@@ -36,7 +39,7 @@ from deployments.compute.engines.kv import (
     PrefixHit,
     Rate,
 )
-from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, block_arrays
+from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, block_arrays, unpack_blocks
 from deployments.dataplane.redis_store import RedisUnavailable
 from deployments.dataplane.types import InRedis
 
@@ -65,6 +68,14 @@ def _remember(entries: OrderedDict, key, value, limit: int) -> None:
 
 async def _none():
     return None
+
+
+def _object_lost(e: BaseException) -> bool:
+    """Whether ``e`` is Ray's error for an object that can no longer be had (its owner
+    died, its node went away)."""
+    import ray
+
+    return isinstance(e, ray.exceptions.ObjectLostError)
 
 
 async def resolve_block_refs(segments, read_l3=None) -> Optional[list[memoryview]]:
@@ -108,8 +119,19 @@ class DataPlaneKVConnector(KVConnector):
         ewma_alpha: float = 0.3,
         l3_reader=None,
         promote_delay_s: float = PROMOTE_DELAY_S,
+        puts_by_ref: Optional[bool] = None,
     ):
         self._handle = handle
+        # Saves put the blocks into Ray's object store here and hand the data plane the
+        # reference (put_block_refs), which it keeps without a copy on this node; else
+        # the blocks go as the call's arrays (put_blocks_packed). None: for a Serve
+        # handle (not for an in-process stand-in, as in tests and tools).
+        if puts_by_ref is None:
+            from ray.serve.handle import DeploymentHandle
+
+            puts_by_ref = isinstance(handle, DeploymentHandle)
+        self._puts_by_ref = puts_by_ref
+        self._node: Optional[str] = None
         # ``redis_store.BlockReader`` of the blocks' Redis (None: the data plane reads L3).
         self._reader = l3_reader
         self._direct_paused_until = 0.0  # monotonic time; see DIRECT_L3_RETRY_S
@@ -132,6 +154,8 @@ class DataPlaneKVConnector(KVConnector):
         # Router-started lookups awaited instead of a call of our own, and those that
         # failed (then asked again); the worker exports them as a metric.
         self.early_lookups = {"used": 0, "failed": 0}
+        # Loads that found an L2 object's owner gone and read the bytes inline instead.
+        self.lost_refs = 0
         # The loop the connector was built on: ``save`` may be called from an engine's
         # own thread, which has no loop of its own.
         try:
@@ -191,7 +215,19 @@ class DataPlaneKVConnector(KVConnector):
             debug = logger.isEnabledFor(logging.DEBUG)
             t_map, faults = time.perf_counter(), minor_faults() if debug else 0
             read_l3 = (lambda wanted: self._read_l3(tenant, wanted, hashes[0])) if self.direct_l3_reads else None
-            blocks = None if segments is None else await self._resolve(segments, read_l3)
+            try:
+                blocks = None if segments is None else await self._resolve(segments, read_l3)
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if not _object_lost(e):
+                    raise
+                # An object L2 keeps by reference whose owner, the worker that put it, is
+                # gone (Ray cannot then reach it from another node): the data plane still
+                # has it mapped, so the bytes come in its reply.
+                self.lost_refs += 1
+                logger.info("KV load: an L2 object's owner is gone (%s); reading the bytes inline", type(e).__name__)
+                packed = await self._call("get_blocks_packed", tenant, hashes, shard_key=hashes[0])
+                blocks = None if packed is None else unpack_blocks(*packed)
+                segments = None
             if blocks is None and segments is not None:
                 # Blocks left in Redis that this worker could not read (or may not now):
                 # the data plane reads them, and checks, counts and drops what is wrong.
@@ -314,14 +350,41 @@ class DataPlaneKVConnector(KVConnector):
 
     async def _save(self, tenant: str, hashes: list[str], blocks: list[bytes], session_id, root: str) -> None:
         try:
-            # One view per block (no copy, no thread): Ray copies them straight into
-            # its object store, which is cheaper than packing them first.
-            data, lengths = block_arrays(blocks)
-            # The chain's shard (its first hash), where lookups of the chain go: a
-            # continuation sharded by its own first block would land elsewhere.
-            await self._call("put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=root)
+            await self.put(tenant, hashes, blocks, session_id, chain_root=root)
         except Exception as e:
             logger.warning("KV save of %d blocks failed (dropped): %s", len(hashes), e)
+
+    async def put(
+        self,
+        tenant: str,
+        hashes: list[str],
+        blocks: list,
+        session_id: Optional[str] = None,
+        *,
+        chain_root: Optional[str] = None,
+    ) -> int:
+        """What :meth:`save` sends, awaited: how many blocks the data plane stored.
+
+        By reference (under Ray): the blocks are copied once, in a thread (the copy
+        releases the GIL; the loop keeps serving), into one object of this node's object
+        store, and the data plane keeps that object (``put_block_refs``): one copy where
+        the call's arguments and the data plane's own object made two. Otherwise one
+        uint8 view per block goes in the call, which Ray copies straight into its store
+        (cheaper than packing them first)."""
+        # The chain's shard (its first hash), where lookups of the chain go: a
+        # continuation sharded by its own first block would land elsewhere.
+        root = chain_root or hashes[0]
+        data, lengths = block_arrays(blocks)
+        if not self._puts_by_ref:
+            return await self._call("put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=root)
+        import ray
+
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        ref = await asyncio.to_thread(ray.put, data)
+        return await self._call(
+            "put_block_refs", tenant, hashes, [ref], lengths, session_id, node_id=self._node, shard_key=root
+        )
 
     @property
     def num_pending(self) -> int:

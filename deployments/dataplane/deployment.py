@@ -30,12 +30,14 @@ too, and Redis keeps the newer version (and a deleted session's tombstone refuse
 copy). Only a crash of both, a copy that did not arrive in time, or stopping the whole
 pool during an outage loses such changes (the last names them in an ERROR line).
 
-Where L2 lives: under Ray, the blocks of one put (or of one read from Redis) are copied
-once into one object in Ray's shared-memory object store, which this replica owns
-(``_Resident``); L2 keeps read-only views of it. A worker's read (:meth:`get_block_refs`)
-then returns references to those objects instead of the bytes: on the same node the
-worker maps them without a copy, on another node Ray moves them. Without Ray (tests,
-tools) L2 holds the blocks in this process's memory.
+Where L2 lives: under Ray, in Ray's shared-memory object store. A worker on this node
+puts the blocks of a save into one object itself (:meth:`put_block_refs`), which L2
+keeps as it is (the worker owns it; L2's views stay valid after the worker exits); the
+blocks of a put from another node, or of one read from Redis, are copied once into one
+object this replica owns. Either is a ``_Resident``; L2 keeps read-only views of it. A
+worker's read (:meth:`get_block_refs`) then returns references to those objects instead
+of the bytes: on the same node the worker maps them without a copy, on another node Ray
+moves them. Without Ray (tests, tools) L2 holds the blocks in this process's memory.
 """
 
 from __future__ import annotations
@@ -86,11 +88,15 @@ SessionKey = tuple[str, str]  # (tenant, session id)
 SESSIONS = "sessions"
 KV = "kv"
 
+# How long put_block_refs waits for the caller's object to reach this replica's node.
+PUT_REF_FETCH_TIMEOUT_S = 30.0
+
 
 class _Resident:
-    """Blocks held in one object of Ray's object store that this replica owns: the
-    reference (the object lives while this does), the read-only arrays of its blocks, and
-    which array a stored L2 value is. L2 accounts the object as one shared buffer (group)."""
+    """Blocks held in one object of Ray's object store, which this replica owns or (a
+    worker's put on this node) borrows: the reference (the object lives while this does),
+    the read-only arrays of its blocks, mapped here, and which array a stored L2 value is.
+    L2 accounts the object as one shared buffer (group)."""
 
     __slots__ = ("ref", "views", "nbytes", "_index")
 
@@ -156,6 +162,13 @@ class _Metrics:
             "llm_dataplane_handoff_bytes",
             "Block bytes handed to workers, by mode: ref (a reference into this replica's "
             "object-store copy, no copy made) or inline (copied into the reply).",
+            tag_keys=("mode",),
+        )
+        self.put_bytes = m.Counter(
+            "llm_dataplane_put_bytes",
+            "Block bytes workers put by reference (put_block_refs), by mode: ref (kept as "
+            "the worker's object, no copy: a worker on this node) or copy (copied into an "
+            "object of this replica: a worker on another node).",
             tag_keys=("mode",),
         )
         self.l2_used = m.Gauge("llm_dataplane_l2_used_bytes", "Bytes held in the L2 memory tier.")
@@ -281,6 +294,7 @@ class DataPlane(DrainsOnStop):
 
             object_store = ray.is_initialized()
         self._object_store = object_store
+        self._node: Optional[str] = None  # this replica's Ray node (_node_id)
         # L2 lives in the object store: map its pages now, not a fault per 4 KiB per put.
         self._prefault = (
             Prefault(app_config.serve_runtime.prefault_object_store_bytes, who="DataPlane")
@@ -1059,6 +1073,7 @@ class DataPlane(DrainsOnStop):
         session_id: Optional[str],
         shard_key: Optional[str],
         group: Optional[_Resident] = None,
+        mode: str = "call",
     ) -> int:
         # Every block is checked once, here or when read from Redis: L2 holds only
         # checked blocks, so neither L2 reads nor the worker's decode (CheckedBlocks)
@@ -1066,7 +1081,10 @@ class DataPlane(DrainsOnStop):
         started = time.perf_counter()
         nbytes = sum(len(b) for b in blocks)
         with self._tracer.start_as_current_span(
-            "dataplane.put_blocks", attributes={"llm.kv.blocks": len(hashes), "llm.kv.bytes": nbytes}
+            "dataplane.put_blocks",
+            # mode: how the blocks came (call: in the call's arguments; ref: a worker's
+            # object kept as it is; copy: a worker's object copied, from another node).
+            attributes={"llm.kv.blocks": len(hashes), "llm.kv.bytes": nbytes, "llm.kv.put_mode": mode},
         ):
             stored = 0
             for h, b in zip(hashes, blocks):
@@ -1388,6 +1406,61 @@ class DataPlane(DrainsOnStop):
             raise InvalidRequestError(f"packed blocks do not match their lengths: {e}", param="lengths") from None
         blocks, group = _own_blocks(arrays, self._object_store)
         return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key, group)
+
+    async def put_block_refs(
+        self,
+        tenant: str,
+        hashes: list[str],
+        refs: list,
+        lengths: list[int],
+        session_id: Optional[str] = None,
+        *,
+        node_id: Optional[str] = None,
+        shard_key: Optional[str] = None,
+    ) -> int:
+        """:meth:`put_blocks` of blocks the caller put into Ray's object store itself:
+        ``refs`` is ``[ObjectRef]`` of a list of uint8 arrays (``blocks.block_arrays``;
+        in a list so that Ray passes the reference, not the value), ``lengths`` each
+        block's size, ``node_id`` the caller's node. From a caller on this replica's node
+        L2 keeps that object by reference, mapped here without a copy (the caller owns it;
+        it lives while L2 holds it). From another node Ray brings it here and it is copied
+        once into an object this replica owns, so that L2 does not pin memory on the
+        caller's node. Returns how many blocks were stored."""
+        import ray
+
+        await self.start()
+        if not (isinstance(refs, (list, tuple)) and len(refs) == 1 and isinstance(refs[0], ray.ObjectRef)):
+            raise InvalidRequestError("refs must be a list of one ObjectRef", param="refs")
+        if len(hashes) != len(lengths):
+            raise InvalidRequestError(f"{len(hashes)} hashes but {len(lengths)} lengths", param="lengths")
+        # Mapped from this node's object store (brought here first if it lies elsewhere).
+        # A caller that died before this (its object with it) fails the call: a save
+        # the caller's connector logs and drops.
+        async with asyncio.timeout(PUT_REF_FETCH_TIMEOUT_S):
+            value = await refs[0]
+        try:
+            arrays = [np.frombuffer(a, dtype=np.uint8) for a in value]
+        except TypeError as e:
+            raise InvalidRequestError(f"refs must hold a list of byte arrays: {e}", param="refs") from None
+        if [len(a) for a in arrays] != [int(n) for n in lengths]:
+            raise InvalidRequestError("the arrays' sizes are not the lengths given", param="lengths")
+        if self._object_store and node_id is not None and node_id == self._node_id():
+            group, mode = _Resident(refs[0], arrays), "ref"
+            blocks = list(group.views)
+        else:
+            (blocks, group), mode = _own_blocks(arrays, self._object_store), "copy"
+        del value, arrays
+        nbytes = sum(int(n) for n in lengths)
+        self._counts[f"put_bytes_{mode}"] += nbytes
+        self._m.inc("put_bytes", nbytes, tags={"mode": mode})
+        return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key, group, mode)
+
+    def _node_id(self) -> Optional[str]:
+        if self._node is None:
+            import ray
+
+            self._node = ray.get_runtime_context().get_node_id()
+        return self._node
 
     async def prefetch(
         self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None

@@ -367,6 +367,120 @@ async def test_connector_lookup_load_save_and_bandwidth(dataplane):
     assert await handed_off() == (before[0] + 4 * nbytes, before[1])
 
 
+def big_blocks(n: int, seed: int, nbytes: int = 64 << 10) -> list[bytes]:
+    """Blocks large enough (together) for Ray to keep their object in the shared-memory
+    object store rather than inline."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        encode_block(BlockHeader("uint8", (nbytes,)), rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+        for _ in range(n)
+    ]
+
+
+async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(dataplane, redis_client):  # noqa: F811
+    """A worker's save puts its blocks into the object store once and the data plane
+    keeps that object (no copy of its own); when the worker is gone the blocks still
+    come back whole, from L2 and, after write-behind, from L3."""
+    import numpy as np
+    import ray
+
+    tenant = tenant_name()
+    hashes = [f"byref{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
+    blocks = big_blocks(4, seed=21)
+    nbytes = sum(len(b) for b in blocks)
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        async def save(self, handle, tenant, hashes, blocks):
+            return await DataPlaneKVConnector(handle, BLOCK_SIZE).put(tenant, hashes, blocks)
+
+    async def stats():
+        return await dataplane.stats.remote(shard_key=hashes[0])
+
+    before = await stats()
+    worker = Worker.remote()
+    assert await worker.save.remote(dataplane, tenant, hashes, blocks) == 4
+    after = await stats()
+    assert after["put_bytes_ref"] - before.get("put_bytes_ref", 0) == nbytes
+    assert after.get("put_bytes_copy", 0) == before.get("put_bytes_copy", 0)
+
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    assert await conn.load(tenant, hashes) == blocks
+    ray.kill(worker)
+
+    async def worker_gone():
+        try:
+            await worker.__ray_ready__.remote()
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+
+    await eventually(worker_gone)
+    # The store's memory churned after the owner died: what L2 maps must not be reused.
+    churn = [ray.put(np.full(4 << 20, 7, dtype=np.uint8)) for _ in range(8)]
+    del churn
+    assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
+    data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
+    assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks
+    # Written behind from those views: Redis holds the same bytes.
+    await dataplane.flush_l2.remote(shard_key=hashes[0])
+    assert [redis_client.get(keys.block_key(tenant, h)) for h in hashes] == blocks
+    assert (await conn.lookup(tenant, hashes)).tier == TIER_L3
+    assert await conn.load(tenant, hashes) == blocks
+
+
+async def test_a_put_by_reference_from_another_node_is_copied_and_bad_ones_are_refused(dataplane):
+    """From another node the data plane copies the object into one of its own (L2 must
+    not pin the caller's node's memory); a reference that is not one, sizes that do not
+    match, and a corrupt block are refused or dropped, never stored."""
+    import ray
+
+    from app.errors import InvalidRequestError
+    from deployments.dataplane.blocks import block_arrays
+
+    tenant = tenant_name()
+    hashes = [f"copy{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+    blocks = big_blocks(3, seed=22)
+    arrays, lengths = block_arrays(blocks)
+
+    async def stats():
+        return await dataplane.stats.remote(shard_key=hashes[0])
+
+    before = await stats()
+    stored = await dataplane.put_block_refs.remote(
+        tenant, hashes, [ray.put(arrays)], lengths, node_id="f" * 56, shard_key=hashes[0]
+    )
+    assert stored == 3
+    after = await stats()
+    assert after["put_bytes_copy"] - before.get("put_bytes_copy", 0) == sum(lengths)
+    assert after.get("put_bytes_ref", 0) == before.get("put_bytes_ref", 0)
+    assert await DataPlaneKVConnector(dataplane, BLOCK_SIZE).load(tenant, hashes) == blocks
+
+    with pytest.raises(InvalidRequestError, match="refs"):
+        await dataplane.put_block_refs.remote(tenant, hashes, [b"not a reference"], lengths, shard_key=hashes[0])
+    with pytest.raises(InvalidRequestError, match="lengths"):
+        await dataplane.put_block_refs.remote(
+            tenant, hashes, [ray.put(arrays)], [lengths[0], lengths[1], 5], shard_key=hashes[0]
+        )
+    with pytest.raises(InvalidRequestError, match="refs"):
+        await dataplane.put_block_refs.remote(tenant, hashes[:1], [ray.put([object()])], [1], shard_key=hashes[0])
+
+    # A block whose payload no longer matches its checksum is not stored (the others are).
+    bad = [f"bad{i}-{uuid.uuid4().hex[:8]}" for i in range(2)]
+    corrupt = bytearray(blocks[0])
+    corrupt[-1] ^= 0xFF
+    data, sizes = block_arrays([bytes(corrupt), blocks[1]])
+    node = ray.get_runtime_context().get_node_id()
+    before = await dataplane.stats.remote(shard_key=bad[0])
+    stored = await dataplane.put_block_refs.remote(tenant, bad, [ray.put(data)], sizes, node_id=node, shard_key=bad[0])
+    assert stored == 1
+    after = await dataplane.stats.remote(shard_key=bad[0])
+    assert after["corrupt_blocks"] == before.get("corrupt_blocks", 0) + 1
+    assert (await DataPlaneKVConnector(dataplane, BLOCK_SIZE).lookup(tenant, bad)).num_blocks == 0
+
+
 async def test_connector_reads_l3_itself_and_the_replica_promotes_it(dataplane, redis_server):  # noqa: F811
     """``direct_l3_reads``: after a flush the worker's connector reads the blocks from
     Redis itself (the data plane hands over hashes, no reference and no copy), and a

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.fixtures.models import get_model_path
-from tests.fixtures.multinode import LocalCluster, deploy
+from tests.fixtures.multinode import LocalCluster, dataplane_stats, deploy
 from tests.fixtures.serve_app import app_args, free_port
 
 pytestmark = pytest.mark.integration
@@ -107,4 +107,18 @@ def _check_roles_and_serve(cluster, redis_server):
             assert r.status_code == 200, r.text
         record = client.get(f"/v1/sessions/{sid}").json()
         assert [m["content"] for m in record["messages"][0::2]] == ["turn 0", "turn 1"]
+        # A prompt of several KV blocks: the worker on the compute node saves them by
+        # reference, and the data plane on the data node copies them into an object of
+        # its own (Ray brought them over), so that L2 pins no compute-node memory.
+        r = _chat(client, "a longer prompt " + " ".join(f"w{i}" for i in range(120)))
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while True:
+        stats = dataplane_stats(cluster)
+        copied = sum(s.get("put_bytes_copy", 0) for s in stats.values())
+        if copied or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert copied > 0, stats
+    assert sum(s.get("put_bytes_ref", 0) for s in stats.values()) == 0, stats
     print(f"multi-node test done in {time.monotonic() - started:.1f}s after the cluster was up")

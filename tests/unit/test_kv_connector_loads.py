@@ -93,6 +93,52 @@ def test_blocks_that_never_arrive_are_a_miss_within_the_timeout(monkeypatch):
     assert asyncio.run(main()) is None
 
 
+def _lost(segments, read_l3=None):
+    import ray
+
+    async def fail():
+        raise ray.exceptions.OwnerDiedError("ab" * 14, None, "")
+
+    return fail()
+
+
+def test_an_object_whose_owner_is_gone_is_read_inline_from_the_data_plane(monkeypatch):
+    # L2 keeps a worker's put by reference; when that worker is gone, Ray cannot hand the
+    # object to a worker on another node. The data plane still maps it: the load asks
+    # for the bytes in the reply instead of recomputing.
+    from deployments.dataplane.blocks import pack_blocks
+
+    monkeypatch.setattr(connector_mod, "resolve_block_refs", _lost)
+    handle = _Handle([], refs=_inline(b"a", b"b"))
+    handle.get_blocks_packed = _Method(lambda *a, **k: pack_blocks([b"a1", b"b22"]))
+    conn = DataPlaneKVConnector(handle, block_size=16)
+    blocks = asyncio.run(conn.load(TENANT, HASHES))
+    assert [bytes(b) for b in blocks] == [b"a1", b"b22"]
+    assert (conn.lost_refs, handle.get_blocks_packed.calls) == (1, 1)
+
+
+def test_other_failures_to_map_the_blocks_stay_a_miss(monkeypatch):
+    async def broken(segments, read_l3=None):
+        raise RuntimeError("object store full")
+
+    monkeypatch.setattr(connector_mod, "resolve_block_refs", broken)
+    handle = _Handle([], refs=_inline(b"a", b"b"))
+    handle.get_blocks_packed = _Method(lambda *a, **k: None)
+    conn = DataPlaneKVConnector(handle, block_size=16)
+    assert asyncio.run(conn.load(TENANT, HASHES)) is None
+    assert (conn.lost_refs, handle.get_blocks_packed.calls) == (0, 0)
+
+
+def test_saves_go_by_reference_only_through_a_serve_handle():
+    # An in-process stand-in (tests, tools) gets the blocks in the call; a Serve handle
+    # gets a reference to one object the connector put (DataPlane.put_block_refs).
+    from ray.serve.handle import DeploymentHandle
+
+    assert DataPlaneKVConnector(_Handle([], refs=None), block_size=16)._puts_by_ref is False
+    handle = DeploymentHandle.__new__(DeploymentHandle)
+    assert DataPlaneKVConnector(handle, block_size=16)._puts_by_ref is True
+
+
 def test_forgotten_bandwidths_are_measured_again():
     conn = DataPlaneKVConnector(None, block_size=16)
     conn.record_fetch(TIER_L3, 262_285, 0.0109)  # a cold one-block read: 24 MB/s

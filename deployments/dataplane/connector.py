@@ -5,14 +5,14 @@ DataPlane shard and a lookup is one call. Any failure of the data plane (replica
 timeout, Redis trouble surfacing as an error) is a miss, logged, never raised to the
 engine; ``save`` returns at once and only logs its errors.
 
-A save puts its blocks into one object of Ray's object store here and hands the data plane
-the reference, which L2 keeps (on this node without a copy; see ``DataPlane.put_block_refs``).
-Blocks in L2 come as references into the data plane's objects; one whose owner, the
-worker that saved it, is gone and cannot be fetched from here comes inline instead. Blocks only in
-L3 are read from Redis by the worker itself when it has a ``BlockReader``
-(``dataplane.direct_l3_reads``): one transfer, checked here, instead of the data plane's
-MGET, its copy into the object store and the worker's mapping of it; the data plane is
-then asked to ``promote`` them into L2, off the request's path. A direct read that fails
+A save puts its blocks into one object of Ray's object store here and hands the data
+plane the reference, which L2 keeps (on this node without a copy; see
+``DataPlane.put_block_refs``). Blocks in L2 come as references into the data plane's
+objects; those of an object that cannot be fetched from here (its owner, the worker that
+saved it, is gone) come inline instead. Blocks only in L3 are read from Redis by the
+worker itself when it has a ``BlockReader`` (``dataplane.direct_l3_reads``): one
+transfer, checked here, instead of the data plane's MGET, its copy into the object store
+and the worker's mapping of it; the data plane is then asked to ``promote`` them into L2, off the request's path. A direct read that fails
 (Redis unreachable from here, a block gone or corrupt) falls back to the data plane's own
 read, which checks, counts and drops what is wrong; after a connection failure direct
 reads pause for ``DIRECT_L3_RETRY_S``. A promotion waits ``PROMOTE_DELAY_S`` first: it
@@ -365,7 +365,7 @@ class DataPlaneKVConnector(KVConnector):
     ) -> int:
         """What :meth:`save` sends, awaited: how many blocks the data plane stored.
 
-        By reference (under Ray): the blocks are copied once, in a thread (the copy
+        By reference (through a Serve handle): the blocks are copied once, in a thread (the copy
         releases the GIL; the loop keeps serving), into one object of this node's object
         store, and the data plane keeps that object (``put_block_refs``): one copy where
         the call's arguments and the data plane's own object made two. Otherwise one

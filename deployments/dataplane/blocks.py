@@ -52,24 +52,64 @@ class BlockHeader:
     version: int = FORMAT_VERSION
 
 
-def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
-    """The stored bytes of one block (one copy of the payload)."""
-    payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+def _meta(header: BlockHeader, checksum_value: int, nbytes: int) -> bytes:
     if header.version not in _CHECKSUMS:
         raise ValueError(f"unsupported block format version {header.version}")
-    checksum_key, checksum = _CHECKSUMS[header.version]
-    meta = json.dumps(
+    checksum_key, _ = _CHECKSUMS[header.version]
+    return json.dumps(
         {
             "v": header.version,
             "dtype": header.dtype,
             "shape": list(header.shape),
             "layout": header.layout,
-            checksum_key: checksum(payload),
-            "nbytes": len(payload),
+            checksum_key: checksum_value,
+            "nbytes": nbytes,
         },
         separators=(",", ":"),
     ).encode()
+
+
+def checksum_of(header: BlockHeader, payload) -> int:
+    """The checksum of ``payload`` (bytes-like) that ``header``'s format version stores."""
+    if header.version not in _CHECKSUMS:
+        raise ValueError(f"unsupported block format version {header.version}")
+    return _CHECKSUMS[header.version][1](payload)
+
+
+def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:
+    """The stored bytes of one block (one copy of the payload)."""
+    payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    meta = _meta(header, checksum_of(header, payload), len(payload))
     return b"".join((_PREFIX.pack(MAGIC, len(meta)), meta, payload))
+
+
+# Headers written in place (header_reserve) end on a multiple of this: the payload after
+# them stays aligned for any element type (and a cache line).
+_HEADER_ALIGN = 64
+
+
+def header_reserve(header: BlockHeader, nbytes: int) -> int:
+    """Bytes to leave before a payload of ``nbytes`` so that :func:`encode_header_into`
+    fits whatever its checksum (the longest one), rounded up to 64: for encoders that
+    write the payloads of many blocks into one buffer first (``kv_codec.encode_kv_blocks``)."""
+    longest = _PREFIX.size + len(_meta(header, 2**64 - 1, nbytes))
+    return -(-longest // _HEADER_ALIGN) * _HEADER_ALIGN
+
+
+def encode_header_into(out, header: BlockHeader, checksum_value: int, nbytes: int) -> None:
+    """Write the header of a block (its payload of ``nbytes`` follows it in ``out``) into
+    ``out`` (a writable uint8 buffer of ``header_reserve`` bytes): the prefix, then the
+    JSON metadata, padded with spaces (JSON whitespace; :func:`decode_block` reads it as
+    :func:`encode_block`'s)."""
+    size = len(out)
+    meta = _meta(header, checksum_value, nbytes)
+    if _PREFIX.size + len(meta) > size:
+        raise ValueError(f"a header of {_PREFIX.size + len(meta)} bytes does not fit in {size}")
+    view = memoryview(out).cast("B")
+    _PREFIX.pack_into(view, 0, MAGIC, size - _PREFIX.size)
+    end = _PREFIX.size + len(meta)
+    view[_PREFIX.size : end] = meta
+    view[end:size] = b" " * (size - end)
 
 
 def decode_block(data: bytes | memoryview, *, verify: bool = True) -> tuple[BlockHeader, memoryview]:

@@ -3,6 +3,7 @@
 import struct
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -374,3 +375,39 @@ def test_block_arrays_view_the_blocks_without_a_copy():
     assert lengths == [3, 4, 0] and [bytes(a) for a in arrays] == [b"abc", b"2345", b""]
     assert all(a.dtype == np.uint8 for a in arrays)
     assert np.shares_memory(arrays[0], np.frombuffer(blocks[0], dtype=np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_span_encodes_in_one_buffer_as_block_by_block(dtype):
+    # encode_kv_blocks writes every block into one buffer (payloads gathered straight from
+    # a strided span, headers padded in front): the same headers and payloads as
+    # encode_kv_block gives each block, checked on decode like them.
+    from deployments.dataplane.blocks import decode_block
+
+    cache = rand_block(dtype, shape=(2, 2, 3, 20, 8), seed=11)
+    span = cache.narrow(3, 2, 12)  # not contiguous, as a slice of a KV cache is
+    blocks = encode_kv_blocks(span, block_size=4)
+    assert len(blocks) == 3 and all(b.base is blocks[0].base for b in blocks)  # one buffer
+    for i, block in enumerate(blocks):
+        one = encode_kv_block(span.narrow(3, 4 * i, 4))
+        header, payload = decode_block(block)
+        assert (header, bytes(payload)) == (decode_block(one)[0], bytes(decode_block(one)[1]))
+        start = np.frombuffer(payload, dtype=np.uint8).ctypes.data
+        assert (start - blocks[0].ctypes.data) % 64 == 0  # payloads aligned within it
+        assert not block.flags.writeable
+    broken = bytearray(blocks[1])
+    broken[-1] ^= 0xFF
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_block(bytes(broken))
+    assert encode_kv_blocks(span.narrow(3, 0, 0), block_size=4) == []
+
+
+def test_a_header_written_in_place_must_fit_its_room():
+    from deployments.dataplane.blocks import BlockHeader, encode_header_into, header_reserve
+
+    header = BlockHeader("float32", (2, 2, 3, 4, 8))
+    room = header_reserve(header, 768)
+    assert room % 64 == 0
+    encode_header_into(bytearray(room), header, 2**64 - 1, 768)  # the longest checksum fits
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_header_into(bytearray(room - 64), header, 2**64 - 1, 768)

@@ -21,8 +21,11 @@ from deployments.dataplane.blocks import (
     DEFAULT_LAYOUT,
     BlockHeader,
     CorruptBlockError,
+    checksum_of,
     decode_block,
     encode_block,
+    encode_header_into,
+    header_reserve,
 )
 
 __all__ = [
@@ -70,16 +73,40 @@ def encode_kv_block(block: torch.Tensor) -> bytes:
     return encode_block(header, raw.numpy().tobytes())
 
 
-def encode_kv_blocks(span: torch.Tensor, block_size: int) -> list[bytes]:
-    """A ``[layers, 2, heads, n * block_size, head_dim]`` span → n stored blocks."""
+def encode_kv_blocks(span: torch.Tensor, block_size: int) -> list[np.ndarray]:
+    """A ``[layers, 2, heads, n * block_size, head_dim]`` span → n stored blocks, written
+    into one buffer: the span copied once, straight into the blocks' payloads (a strided
+    gather), then each payload's checksum and its header in front of it (padded to
+    ``blocks.header_reserve``). Read-only uint8 arrays, one per block, viewing that
+    buffer; each is what :func:`encode_kv_block` makes of that block, the header's padding
+    aside. (One block at a time, through ``bytes``, took three copies: 50-160 ms for 32 MiB
+    on a 2-core VM against ~5 ms.)"""
     num_tokens = span.shape[_TOKENS_DIM]
+    if span.dim() != 5 or span.shape[1] != 2:
+        raise ValueError(f"a KV span must be [layers, 2, heads, tokens, head_dim], got {tuple(span.shape)}")
     if num_tokens % block_size:
         raise ValueError(f"span of {num_tokens} tokens is not a whole number of {block_size}-token blocks")
+    n = num_tokens // block_size
+    if n == 0:
+        return []
     span = span.detach().to("cpu")
-    return [
-        encode_kv_block(span.narrow(_TOKENS_DIM, start, block_size))
-        for start in range(0, num_tokens, block_size)
-    ]
+    layers, _, heads, _, head_dim = span.shape
+    shape = (int(layers), 2, int(heads), int(block_size), int(head_dim))
+    header = BlockHeader(dtype=dtype_name(span.dtype), shape=shape, layout=LAYOUT)
+    nbytes = layers * 2 * heads * block_size * head_dim * span.element_size()
+    reserve = header_reserve(header, nbytes)
+    stride = reserve + nbytes
+    if nbytes % span.element_size() or stride % span.element_size():
+        raise ValueError(f"block of {nbytes} bytes does not align to {span.dtype}")
+    buf = np.empty(n * stride, dtype=np.uint8)
+    rows = buf.reshape(n, stride)
+    payloads = torch.from_numpy(rows[:, reserve:]).view(span.dtype).unflatten(1, shape)
+    # [layers, 2, heads, n, block, head_dim] → [n, layers, 2, heads, block, head_dim]
+    payloads.copy_(span.unflatten(_TOKENS_DIM, (n, block_size)).permute(3, 0, 1, 2, 4, 5))
+    for row in rows:
+        encode_header_into(row[:reserve], header, checksum_of(header, row[reserve:]), nbytes)
+    rows.flags.writeable = False  # (views made from it after this are read-only too)
+    return list(rows)
 
 
 class _Expected:

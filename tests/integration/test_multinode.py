@@ -3,7 +3,9 @@ each started by the project's own scripts (``cluster/start_head.sh``,
 ``cluster/start_worker.sh <role>``) with token authentication. The application is deployed
 with the node-role resources of ``cluster/serve_config.cluster.yaml``; every ComputeWorker
 replica must run on a `compute_node` node and every DataPlane replica on a `data_node`
-node, and chat requests (plain and with a session) must succeed.
+node, and chat requests (plain and with a session) must succeed. A worker's KV put
+crosses nodes there: the data plane must copy it into an object of its own rather than
+keep the worker's (``DataPlane.put_block_refs``).
 
 The cluster is separate from the suite's in-process Ray (``ray_cluster`` fixture), so the
 driver that deploys runs as a subprocess; the nodes are always stopped, by process group.

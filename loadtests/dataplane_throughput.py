@@ -15,8 +15,10 @@ host memory (L2: once right after the puts, while the replicas write them behind
 Redis, and again once that finished); after ``flush_l2``, from Redis (L3) as a worker
 reads it (``DataPlaneKVConnector.load`` with a ``BlockReader``: the blocks straight from
 Redis and checked; the data plane promotes them into L2 a second later, which is not
-timed) and as the data plane reads it (its MGET and copy into the object store,
-``direct_l3_reads`` off); and ``get_blocks_packed`` from L2 (the bytes copied into the
+timed; the median round trip of the data-plane call each load makes first is
+reported as ``get_l3_call_ms_median``, and the same reads by the worker's reader alone,
+without those calls, as ``get_l3_reader_alone``) and as the data plane reads it (its
+MGET and copy into the object store, ``direct_l3_reads`` off); and ``get_blocks_packed`` from L2 (the bytes copied into the
 reply) for comparison. On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
@@ -106,7 +108,7 @@ async def _timed(calls, concurrency: int, total_bytes: int):
 
 
 async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader) -> dict:
-    from deployments.dataplane.blocks import block_arrays
+    from deployments.dataplane.blocks import BlockChecks, block_arrays
     from deployments.dataplane.connector import DataPlaneKVConnector, resolve_block_refs
 
     groups = [
@@ -167,10 +169,37 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     get_l2_packed_gbps, got = await _timed([get_packed(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
     await flush_all(handle)
+    # Each load asks the data plane first (get_block_refs: the blocks are only in Redis),
+    # then reads them itself: the calls' round trips are timed, and the same reads
+    # without those calls (the worker's reader alone, each block checked as it arrives)
+    # follow, to tell the two apart.
+    call_seconds: list[float] = []
+    timed_call = connector._call
+
+    async def call(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await timed_call(*args, **kwargs)
+        finally:
+            call_seconds.append(time.perf_counter() - started)
+
+    connector._call = call
     get_l3_gbps, got = await _timed([get_direct(g) for g in groups], concurrency, total)
+    connector._call = timed_call
     assert all(r is not None for r in got), "a block went missing from L3"
     assert connector.direct_l3["fallbacks"] == 0, connector.direct_l3
     await connector.drain()  # the promotions they started (a second later), then none left
+    await flush_all(handle)
+
+    def read_alone(g):
+        async def read():
+            _, views = await reader.get_blocks_packed(tenant, g[0], on_value=BlockChecks())
+            return views
+
+        return read
+
+    get_l3_reader_gbps, got = await _timed([read_alone(g) for g in groups], concurrency, total)
+    assert all(v is not None for r in got for v in r), "a block went missing from L3"
     await flush_all(handle)
     # The data plane's own read from Redis: an MGET, its copy into the object store,
     # mapped here (as with direct_l3_reads off, and as a fallback).
@@ -183,6 +212,8 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         "put_in_call": put_in_call_gbps,
         "get_l2": get_l2_gbps,
         "get_l3": get_l3_gbps,
+        "get_l3_reader_alone": get_l3_reader_gbps,
+        "get_l3_call_ms_median": 1000 * statistics.median(call_seconds),
         "get_l3_through_dataplane": get_l3_dataplane_gbps,
         "get_l2_during_write_behind": get_busy_gbps,
         "get_l2_packed": get_l2_packed_gbps,
@@ -448,6 +479,7 @@ def main(argv=None) -> int:
                         f"put_over_redis_set{suffix}": ours["put"] / ref["set"],
                         f"put_in_call_over_redis_set{suffix}": ours["put_in_call"] / ref["set"],
                         f"get_l3_over_redis_get{suffix}": ours["get_l3"] / ref["get"],
+                        f"get_l3_reader_alone_over_redis_get{suffix}": ours["get_l3_reader_alone"] / ref["get"],
                         f"get_l3_through_dataplane_over_redis_get{suffix}": ours["get_l3_through_dataplane"] / ref["get"],
                         f"get_l2_over_redis_get{suffix}": ours["get_l2"] / ref["get"],
                         f"get_l2_during_write_behind_over_redis_get{suffix}": ours["get_l2_during_write_behind"] / ref["get"],

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from loadtests.sampling_overhead import add_batch_args, alternate, one_round, print_table
 
 VARIANTS = {
     "plain": ("plain", [None]),
@@ -30,23 +30,6 @@ VARIANTS = {
     "lora:one": ("lora", ["r8"]),
     "lora:mixed": ("lora", [None, "r8", "r16"]),
 }
-
-
-async def one_round(engine, models: list, args, rng: random.Random) -> tuple[float, int]:
-    from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
-
-    async def one(i: int) -> int:
-        prompt = [rng.randrange(10, args.vocab_size) for _ in range(args.input_len)]
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        request = GenerationRequest(f"r{i}-{rng.random()}", prompt, params, lora=models[i % len(models)])
-        tokens = 0
-        async for delta in engine.generate(request):
-            tokens = delta.num_output_tokens
-        return tokens
-
-    started = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(args.concurrency)))
-    return time.perf_counter() - started, sum(counts)
 
 
 def make_engine(kind: str, model_path: Path, adapters: dict, args):
@@ -87,39 +70,24 @@ async def main(args) -> None:
         rng = random.Random(args.seed)
         small = argparse.Namespace(**{**vars(args), "concurrency": 3})
         for engine_name, models in VARIANTS.values():  # warm-up
-            await one_round(engines[engine_name], models, small, rng)
-        rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        names = list(VARIANTS)
-        for r in range(args.rounds):
-            for variant in names[r % len(names):] + names[: r % len(names)]:
-                engine_name, models = VARIANTS[variant]
-                seconds, tokens = await one_round(engines[engine_name], models, args, rng)
-                rates[variant].append(tokens / seconds)
-                print(f"[round {r + 1}/{args.rounds}] {variant}: {tokens} tokens in {seconds:.2f} s "
-                      f"({tokens / seconds:.0f} tok/s)", file=sys.stderr)
+            await one_round(engines[engine_name], small, rng, tag="warm-up", loras=models)
+
+        async def run(variant: str) -> tuple[float, int]:
+            engine_name, models = VARIANTS[variant]
+            return await one_round(engines[engine_name], args, rng, tag="r", loras=models)
+
+        rates = await alternate(list(VARIANTS), args.rounds, run)
         for engine in engines.values():
             await engine.shutdown()
-    plain = statistics.median(rates["plain"])
     print(f"engine {args.engine}, preset {args.preset}, {args.concurrency} requests of "
           f"{args.input_len}+{args.output_len} tokens")
-    print(f"{'variant':<12} {'tok/s per round':<34} {'median':>8} {'vs plain':>9}")
-    for variant, values in rates.items():
-        median = statistics.median(values)
-        per_round = ", ".join(f"{v:.0f}" for v in values)
-        print(f"{variant:<12} {per_round:<34} {median:>8.0f} {median / plain:>9.2f}")
+    print_table(rates, per_round_width=34)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    from app.model_builder import PRESETS
-
     p.add_argument("--engine", default="torch", choices=("torch", "vllm"))
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    add_batch_args(p)
     return p.parse_args(argv)
 
 

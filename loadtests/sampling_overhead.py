@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Optional, Sequence
 
 VARIANTS = {
     "plain": {},
@@ -35,20 +36,63 @@ VARIANTS = {
 }
 
 
-async def one_round(engine, variant: str, args, rng: random.Random) -> tuple[float, int]:
+async def one_round(
+    engine, args, rng: random.Random, *, tag: str, sampling: Optional[dict] = None, loras: Sequence = (None,)
+) -> tuple[float, int]:
+    """``args.concurrency`` greedy requests of ``args.input_len`` random tokens and
+    ``args.output_len`` output tokens at once: seconds and output tokens. ``sampling``:
+    more SamplingParams fields; request ``i`` runs with adapter ``loras[i % len(loras)]``
+    (None: the base model). Also what ``loadtests.lora_overhead`` runs."""
     from deployments.compute.engines.protocol import GenerationRequest, SamplingParams
 
     async def one(i: int) -> int:
         prompt = [rng.randrange(10, args.vocab_size) for _ in range(args.input_len)]
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, **VARIANTS[variant])
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, **(sampling or {}))
+        request = GenerationRequest(f"{tag}-{i}-{rng.random()}", prompt, params, lora=loras[i % len(loras)])
         tokens = 0
-        async for delta in engine.generate(GenerationRequest(f"{variant}-{i}-{rng.random()}", prompt, params)):
+        async for delta in engine.generate(request):
             tokens = delta.num_output_tokens
         return tokens
 
     started = time.perf_counter()
     counts = await asyncio.gather(*(one(i) for i in range(args.concurrency)))
     return time.perf_counter() - started, sum(counts)
+
+
+async def alternate(names: list[str], rounds: int, run) -> dict[str, list[float]]:
+    """Output tokens/s of ``await run(name)`` (seconds, tokens) for every name in each of
+    ``rounds`` rounds, each round starting with the next name (a later place in a round
+    ran slower); one progress line a run on stderr."""
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            seconds, tokens = await run(name)
+            rates[name].append(tokens / seconds)
+            print(f"[round {r + 1}/{rounds}] {name}: {tokens} tokens in {seconds:.2f} s "
+                  f"({tokens / seconds:.0f} tok/s)", file=sys.stderr)
+    return rates
+
+
+def print_table(rates: dict[str, list[float]], per_round_width: int = 28) -> None:
+    """Each variant's tok/s per round, median and ratio to ``plain``'s median."""
+    plain = statistics.median(rates["plain"])
+    print(f"{'variant':<12} {'tok/s per round':<{per_round_width}} {'median':>8} {'vs plain':>9}")
+    for variant, values in rates.items():
+        median = statistics.median(values)
+        per_round = ", ".join(f"{v:.0f}" for v in values)
+        print(f"{variant:<12} {per_round:<{per_round_width}} {median:>8.0f} {median / plain:>9.2f}")
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """The options of the batch both this and ``loadtests.lora_overhead`` run."""
+    from app.model_builder import PRESETS
+
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
 
 
 async def main(args) -> None:
@@ -63,35 +107,20 @@ async def main(args) -> None:
     args.vocab_size = engine.config.vocab_size
     rng = random.Random(args.seed)
     for variant in VARIANTS:  # warm-up: kernels, the grammar compiler and its cache
-        await one_round(engine, variant, argparse.Namespace(**{**vars(args), "concurrency": 2}), rng)
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    names = list(VARIANTS)
-    for r in range(args.rounds):
-        # Each round starts with another variant: a later place in a round ran slower.
-        for variant in names[r % len(names):] + names[: r % len(names)]:
-            seconds, tokens = await one_round(engine, variant, args, rng)
-            rates[variant].append(tokens / seconds)
-            print(f"[round {r + 1}/{args.rounds}] {variant}: {tokens} tokens in {seconds:.2f} s "
-                  f"({tokens / seconds:.0f} tok/s)", file=sys.stderr)
+        await one_round(engine, argparse.Namespace(**{**vars(args), "concurrency": 2}), rng,
+                        tag=variant, sampling=VARIANTS[variant])
+
+    async def run(variant: str) -> tuple[float, int]:
+        return await one_round(engine, args, rng, tag=variant, sampling=VARIANTS[variant])
+
+    rates = await alternate(list(VARIANTS), args.rounds, run)
     await engine.shutdown()
-    plain = statistics.median(rates["plain"])
-    print(f"{'variant':<12} {'tok/s per round':<28} {'median':>8} {'vs plain':>9}")
-    for variant, values in rates.items():
-        median = statistics.median(values)
-        per_round = ", ".join(f"{v:.0f}" for v in values)
-        print(f"{variant:<12} {per_round:<28} {median:>8.0f} {median / plain:>9.2f}")
+    print_table(rates)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    from app.model_builder import PRESETS
-
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    add_batch_args(p)
     return p.parse_args(argv)
 
 

@@ -16,9 +16,10 @@ which is what a worker without those settings pays.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
+
+from loadtests.kv_decode import alternate_calls, print_medians
 
 
 def _per_block(span, block_size: int) -> list:
@@ -53,25 +54,18 @@ def main(argv=None) -> None:
     mib = tokens * 4 * 2 * 8 * 64 * dtype.itemsize / 2**20
     print(f"[export-encode] {args.blocks} blocks ({mib:.0f} MiB of {args.dtype}), {args.calls} calls each",
           file=sys.stderr, flush=True)
-    times = {"encode_kv_blocks": [], "per_block": []}
-    for call in range(args.calls):
-        for name, fn in (("encode_kv_blocks", encode_kv_blocks), ("per_block", _per_block)):
-            started = time.perf_counter()
-            blocks = fn(span, block_size)
-            times[name].append((time.perf_counter() - started) * 1000)
-            if call == 0:  # the same headers and payloads either way
-                assert len(blocks) == args.blocks, name
-                assert bytes(decode_block(blocks[-1])[1]) == bytes(
-                    decode_block(_per_block(span.narrow(3, tokens - block_size, block_size), block_size)[0])[1]
-                ), name
-            del blocks
-        if (call + 1) % 10 == 0:
-            print(f"[export-encode] {call + 1}/{args.calls} calls", file=sys.stderr, flush=True)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    for name, ts in times.items():
-        print(f"{name:17s} median {medians[name]:.2f} ms, min {min(ts):.2f} ms ({args.calls} calls)")
-    print(f"per_block / encode_kv_blocks: {medians['per_block'] / medians['encode_kv_blocks']:.2f}x")
+    last = bytes(decode_block(_per_block(span.narrow(3, tokens - block_size, block_size), block_size)[0])[1])
 
+    def check(name, blocks):  # the same headers and payloads either way
+        assert len(blocks) == args.blocks, name
+        assert bytes(decode_block(blocks[-1])[1]) == last, name
+
+    times = alternate_calls(
+        {"encode_kv_blocks": functools.partial(encode_kv_blocks, span, block_size),
+         "per_block": functools.partial(_per_block, span, block_size)},
+        args.calls, check=check, progress="export-encode",
+    )
+    print_medians(times, args.calls, "per_block", "encode_kv_blocks")
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ MALLOC_TRIM_THRESHOLD_=4294967296``), or every fresh span also pays its page fau
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -41,6 +42,34 @@ def _torch_per_block(blocks, *, dtype, shape, out):
     return out
 
 
+def alternate_calls(fns: dict, calls: int, *, setup=None, check=None, progress: str = "") -> dict[str, list[float]]:
+    """Milliseconds of each ``fns[name](**setup())`` per call, the functions alternated
+    call by call (``setup``, untimed, makes fresh keyword arguments for each call);
+    ``check(name, result)`` on the first call's results; with ``progress``, a line on
+    stderr every 10 calls. Also what ``loadtests.export_encode`` runs."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for call in range(calls):
+        for name, fn in fns.items():
+            kwargs = setup() if setup is not None else {}
+            started = time.perf_counter()
+            got = fn(**kwargs)
+            times[name].append((time.perf_counter() - started) * 1000)
+            if call == 0 and check is not None:
+                check(name, got)
+            del got
+        if progress and (call + 1) % 10 == 0:
+            print(f"[{progress}] {call + 1}/{calls} calls", file=sys.stderr, flush=True)
+    return times
+
+
+def print_medians(times: dict[str, list[float]], calls: int, before: str, after: str) -> None:
+    """Each function's median and minimum (ms), then ``before``'s median over ``after``'s."""
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        print(f"{name:17s} median {medians[name]:.2f} ms, min {min(ts):.2f} ms ({calls} calls)")
+    print(f"{before} / {after}: {medians[before] / medians[after]:.2f}x")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=119)
@@ -62,20 +91,18 @@ def main(argv=None) -> None:
     source = torch.randn(span_shape).to(dtype)
     blocks = unpack_blocks(*pack_blocks(encode_kv_blocks(source, 16)))
     same_width = _SAME_WIDTH_INT[dtype.itemsize][0]
-    times = {"decode_kv_blocks": [], "torch_per_block": []}
-    for call in range(args.calls):
-        for name, fn in (("decode_kv_blocks", decode_kv_blocks), ("torch_per_block", _torch_per_block)):
-            out = empty_with_room(list(span_shape), 256, dtype=dtype)
-            started = time.perf_counter()
-            got = fn(blocks, dtype=dtype, shape=shape, out=out)
-            times[name].append((time.perf_counter() - started) * 1000)
-            if call == 0:
-                assert torch.equal(got.view(same_width), source.view(same_width)), name
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    for name, ts in times.items():
-        print(f"{name:17s} median {medians[name]:.2f} ms, min {min(ts):.2f} ms ({args.calls} calls)")
-    print(f"torch_per_block / decode_kv_blocks: {medians['torch_per_block'] / medians['decode_kv_blocks']:.2f}x")
 
+    def check(name, got):
+        assert torch.equal(got.view(same_width), source.view(same_width)), name
+
+    times = alternate_calls(
+        {name: functools.partial(fn, blocks, dtype=dtype, shape=shape)
+         for name, fn in (("decode_kv_blocks", decode_kv_blocks), ("torch_per_block", _torch_per_block))},
+        args.calls,
+        setup=lambda: {"out": empty_with_room(list(span_shape), 256, dtype=dtype)},
+        check=check,
+    )
+    print_medians(times, args.calls, "torch_per_block", "decode_kv_blocks")
 
 if __name__ == "__main__":
     main()

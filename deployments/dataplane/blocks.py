@@ -52,10 +52,16 @@ class BlockHeader:
     version: int = FORMAT_VERSION
 
 
+def _checksum(header: BlockHeader):
+    """``header``'s format version's checksum: (header key, function)."""
+    try:
+        return _CHECKSUMS[header.version]
+    except KeyError:
+        raise ValueError(f"unsupported block format version {header.version}") from None
+
+
 def _meta(header: BlockHeader, checksum_value: int, nbytes: int) -> bytes:
-    if header.version not in _CHECKSUMS:
-        raise ValueError(f"unsupported block format version {header.version}")
-    checksum_key, _ = _CHECKSUMS[header.version]
+    checksum_key, _ = _checksum(header)
     return json.dumps(
         {
             "v": header.version,
@@ -71,9 +77,7 @@ def _meta(header: BlockHeader, checksum_value: int, nbytes: int) -> bytes:
 
 def checksum_of(header: BlockHeader, payload) -> int:
     """The checksum of ``payload`` (bytes-like) that ``header``'s format version stores."""
-    if header.version not in _CHECKSUMS:
-        raise ValueError(f"unsupported block format version {header.version}")
-    return _CHECKSUMS[header.version][1](payload)
+    return _checksum(header)[1](payload)
 
 
 def encode_block(header: BlockHeader, payload: bytes | memoryview) -> bytes:

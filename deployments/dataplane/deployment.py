@@ -111,6 +111,16 @@ class _Resident:
         return i if i is not None and self.views[i] is view else None
 
 
+def _block_views(blocks, lengths) -> list:
+    """uint8 arrays viewing ``blocks`` (bytes-likes; no copy), one per length in
+    ``lengths``: TypeError for one that is not bytes-like, ValueError for sizes that are
+    not the lengths."""
+    arrays = [np.frombuffer(b, dtype=np.uint8) for b in blocks]
+    if [len(a) for a in arrays] != [int(n) for n in lengths]:
+        raise ValueError("the arrays' sizes are not the lengths given")
+    return arrays
+
+
 def _own_blocks(blocks: list, object_store: bool) -> tuple[list, Optional[_Resident]]:
     """This replica's own copy of ``blocks`` (bytes-like), made once: one object in Ray's
     object store (views of it, and its ``_Resident``), else one array in this process's
@@ -1397,9 +1407,7 @@ class DataPlane(DrainsOnStop):
             # call. They are checked against ``lengths``, then copied once into an
             # object this replica owns (``_own_blocks``); L2 keeps views of that copy.
             if isinstance(data, (list, tuple)):
-                arrays = [np.frombuffer(a, dtype=np.uint8) for a in data]
-                if [len(a) for a in arrays] != [int(n) for n in lengths]:
-                    raise ValueError("the arrays' sizes are not the lengths given")
+                arrays = _block_views(data, lengths)
             else:
                 arrays = unpack_blocks(data, lengths)
         except (CorruptBlockError, TypeError, ValueError) as e:
@@ -1439,11 +1447,11 @@ class DataPlane(DrainsOnStop):
         async with asyncio.timeout(PUT_REF_FETCH_TIMEOUT_S):
             value = await refs[0]
         try:
-            arrays = [np.frombuffer(a, dtype=np.uint8) for a in value]
+            arrays = _block_views(value, lengths)
         except TypeError as e:
             raise InvalidRequestError(f"refs must hold a list of byte arrays: {e}", param="refs") from None
-        if [len(a) for a in arrays] != [int(n) for n in lengths]:
-            raise InvalidRequestError("the arrays' sizes are not the lengths given", param="lengths")
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lengths") from None
         if self._object_store and node_id is not None and node_id == self._node_id():
             group, mode = _Resident(refs[0], arrays), "ref"
             blocks = list(group.views)

@@ -263,8 +263,8 @@ class EngineConfig(_Strict):
         le=1000,
         description="A worker sends a request's tokens on at most every this many ms (the "
         "first token at once): each message crosses worker → ingress → HTTP proxy, so fewer, "
-        "fuller messages cost less CPU per token. A request due to reach max_tokens sooner "
-        "gets its last tokens when they are made. 0 sends every engine delta.",
+        "fuller messages cost less CPU per token. A request's last tokens leave when they are "
+        "made (its end is not held for the rest of the wait). 0 sends every engine delta.",
     )
     stream_max_messages_per_s: float = Field(
         default=500.0,

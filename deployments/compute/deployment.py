@@ -222,6 +222,12 @@ class ComputeWorker(DrainsOnStop):
             "Requests in this replica not yet finished (what the autoscaler scales on).",
             tag_keys=tags,
         )
+        self._m_pacing_ended_early = metrics.Counter(
+            "llm_worker_stream_waits_ended_early",
+            "Waits between a stream's messages (engine.stream_interval_ms) cut short because "
+            "the engine had the request's last delta ready (Engine.end_signal).",
+            tag_keys=tags,
+        )
         self._m_drains = metrics.Counter(
             "llm_worker_drains", "Replicas that drained and flushed their KV before exiting.", tag_keys=tags
         )
@@ -248,6 +254,7 @@ class ComputeWorker(DrainsOnStop):
             self._m_import_speed,
             self._m_arena_bytes,
             self._m_queue_depth,
+            self._m_pacing_ended_early,
             self._m_drains,
             self._m_drain_flushed,
             self._m_drain_seconds,
@@ -287,6 +294,10 @@ class ComputeWorker(DrainsOnStop):
             rate = ec.stream_max_messages_per_s
             max_tokens = request.sampling.max_tokens
             first_at, first_tokens = None, 0
+            # The engine's event for this request's end (Engine.end_signal), once it has
+            # one: it is made when the engine takes the request.
+            end_signal = getattr(self._engine, "end_signal", None)
+            ended = None
             self._num_in_flight += 1
             try:
                 # aclosing: a cancellation that lands outside the engine's iterator (in
@@ -310,17 +321,30 @@ class ComputeWorker(DrainsOnStop):
                         # coalesced into the next delta. The wait grows with the number
                         # of streams so the worker's total message rate stays capped.
                         interval_s = max(base_interval_s, self._num_in_flight / rate if rate else 0.0)
-                        if interval_s:
-                            now = time.monotonic()
-                            tokens_per_s = self._stream_tokens_per_s.value  # other streams', until ours shows
-                            if first_at is None:
-                                first_at, first_tokens = now, num_tokens
-                            elif num_tokens > first_tokens and now > first_at:
-                                tokens_per_s = (num_tokens - first_tokens) / (now - first_at)
-                                self._stream_tokens_per_s.update(tokens_per_s)
-                            if tokens_per_s:
-                                interval_s = min(interval_s, _until_length_end(max_tokens - num_tokens, tokens_per_s))
-                            await asyncio.sleep(interval_s)
+                        if not interval_s:
+                            continue
+                        if ended is None and end_signal is not None:
+                            ended = end_signal(request.request_id)
+                        if ended is not None:
+                            # The engine says when the last delta is ready (EOS, a stop,
+                            # max_tokens): the wait ends then, not at its full length.
+                            if not ended.is_set():
+                                with contextlib.suppress(TimeoutError):
+                                    async with asyncio.timeout(interval_s):
+                                        await ended.wait()
+                            if ended.is_set():  # once: the next delta is the last
+                                self._m_pacing_ended_early.inc()
+                            continue
+                        now = time.monotonic()
+                        tokens_per_s = self._stream_tokens_per_s.value  # other streams', until ours shows
+                        if first_at is None:
+                            first_at, first_tokens = now, num_tokens
+                        elif num_tokens > first_tokens and now > first_at:
+                            tokens_per_s = (num_tokens - first_tokens) / (now - first_at)
+                            self._stream_tokens_per_s.update(tokens_per_s)
+                        if tokens_per_s:
+                            interval_s = min(interval_s, _until_length_end(max_tokens - num_tokens, tokens_per_s))
+                        await asyncio.sleep(interval_s)
             except EngineError as e:
                 # A request failed by an engine that died with it (the torch loop fails
                 # its requests with the step's error) reports the death, so the router

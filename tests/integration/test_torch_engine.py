@@ -18,6 +18,7 @@ from deployments.compute.engines.torch_engine import TorchEngine
 from tests.fixtures.engines import (
     PROMPTS,
     check_bad_words,
+    check_end_signal,
     collect,
     encode,
     hf_greedy,
@@ -327,6 +328,11 @@ async def test_waiting_requests_start_by_priority_under_the_priority_policy(tiny
     finally:
         await eng.shutdown()
     assert order == want
+
+
+@pytest.mark.asyncio
+async def test_it_signals_each_requests_end_before_the_last_delta_is_read(engine):
+    await check_end_signal(engine, encode(engine, PROMPTS[4]))
 
 
 @pytest.mark.asyncio

@@ -37,6 +37,7 @@ from deployments.compute.engines.vllm_engine import VLLMEngine
 from tests.fixtures.engines import (
     PROMPTS,
     check_bad_words,
+    check_end_signal,
     collect,
     encode,
     hf_greedy,
@@ -283,6 +284,10 @@ async def test_slow_consumer_gets_coalesced_deltas(engine):
     assert [t for d in deltas for t in d.token_ids] == expected
     assert "".join(d.text for d in deltas) == expected_text
     assert deltas[-1].num_output_tokens == 40
+
+
+async def test_it_signals_each_requests_end_before_the_last_delta_is_read(engine):
+    await check_end_signal(engine, encode(engine, PROMPTS[4]))
 
 
 async def test_bad_words_are_ruled_out_of_the_reply(engine):

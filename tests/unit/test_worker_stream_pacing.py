@@ -1,6 +1,7 @@
 """ComputeWorker's stream pacing: between messages it waits (``engine.stream_interval_ms``,
 longer with many streams) while the engine coalesces tokens, but a request that will reach
-``max_tokens`` sooner is not held past its last token. A stand-in engine that makes a token
+``max_tokens`` sooner is not held past its last token, nor is one whose engine says its
+last delta is ready (``Engine.end_signal``). A stand-in engine that makes a token
 every few ms on its own clock and hands over what it has made since the last read, as
 vLLM's DELTA outputs do (pure unit test: no Ray)."""
 
@@ -42,6 +43,37 @@ class _ClockEngine(StandInEngine):
                 sent = made
             else:
                 await asyncio.sleep(TOKEN_PERIOD_S / 5)
+
+
+class _SignallingEngine(_ClockEngine):
+    """Says when a request's last delta is ready (Engine.end_signal), as the torch and
+    vLLM engines do."""
+
+    def __init__(self, eos_after: int | None = None):
+        super().__init__(eos_after)
+        self._ended: dict[str, asyncio.Event] = {}
+        self.signals_made = 0
+
+    def end_signal(self, request_id):
+        return self._ended.get(request_id)
+
+    async def generate(self, request):
+        ended = self._ended[request.request_id] = asyncio.Event()
+        self.signals_made += 1
+        limit = request.sampling.max_tokens if self.eos_after is None else self.eos_after
+        # The last token is made behind the consumer's back while it waits: the event is
+        # set then, and the delta that carries it is read when the wait ends.
+        async def mark_end():
+            await asyncio.sleep(limit * TOKEN_PERIOD_S)
+            ended.set()
+
+        marker = asyncio.create_task(mark_end())
+        try:
+            async for delta in super().generate(request):
+                yield delta
+        finally:
+            marker.cancel()
+            self._ended.pop(request.request_id, None)
 
 
 class _SlowStartEngine(_ClockEngine):
@@ -90,10 +122,32 @@ def test_a_length_capped_stream_is_not_held_past_its_last_token():
 
 
 def test_a_stream_that_ends_early_still_waits_out_its_interval():
-    # Ends by EOS after 10 of 40 tokens: nothing says so in advance, the wait stands.
+    # Ends by EOS after 10 of 40 tokens: an engine without an end signal does not say so,
+    # and the wait stands.
     [(deltas, took)] = asyncio.run(_streams(_ClockEngine(eos_after=10), max_tokens=[40], interval_ms=300))
     assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "stop"
     assert took >= 0.3 and len(deltas) == 2
+
+
+def test_a_stream_that_ends_early_is_not_held_when_the_engine_says_so():
+    # The same EOS after 10 of 40 tokens (~50 ms) with a 1 s wait: an engine with an end
+    # signal ends the wait when the last delta is ready; the stream is still coalesced
+    # (the first token alone, then the rest in one delta).
+    engine = _SignallingEngine(eos_after=10)
+    [(deltas, took)] = asyncio.run(_streams(engine, max_tokens=[40], interval_ms=1000))
+    assert sum(len(d.token_ids) for d in deltas) == 10 and deltas[-1].finish_reason == "stop"
+    assert took < 0.6, f"the finished stream waited out its interval: {took:.2f}s"
+    assert len(deltas) == 2, [len(d.token_ids) for d in deltas]
+    assert engine.signals_made == 1 and engine.end_signal("r0") is None  # dropped with its stream
+
+
+def test_a_length_capped_stream_with_an_end_signal_ends_at_its_last_token():
+    # No rate projection is needed: the first request's end already ends its wait.
+    engine = _SignallingEngine()
+    [(deltas, took)] = asyncio.run(_streams(engine, max_tokens=[40], interval_ms=1000))
+    assert sum(len(d.token_ids) for d in deltas) == 40 and deltas[-1].finish_reason == "length"
+    assert took < 0.6, f"held past its last token: {took:.2f}s"
+    assert len(deltas) == 2, [len(d.token_ids) for d in deltas]
 
 
 def test_the_first_delta_logs_the_workers_part_of_ttft_at_debug(caplog):

@@ -16,11 +16,16 @@ Contract of :meth:`Engine.generate`:
   before the first delta;
 * closing the iterator early (``aclose()`` or cancelling the task that iterates it) aborts
   the request inside the engine: its slot is free again within one engine step.
+
+A consumer that paces its reads (the ComputeWorker waits between them so that tokens
+coalesce) asks :meth:`Engine.end_signal` whether the last delta is ready, and stops
+waiting then instead of holding a finished request's end for the rest of its wait.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal, Optional
 
@@ -295,3 +300,11 @@ class Engine(abc.ABC):
         """Drop what the engine measured of its own speed so far; the worker calls it
         after its warm-up generation, which is no guide to the speed of serving. Engines
         that measure nothing need not override it."""
+
+    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
+        """An event of the request ``request_id`` that ``generate`` is streaming, set
+        once its stream's last delta (the finishing one, or its error) is ready to read,
+        before the consumer reads it; None once that stream is closed, or when the engine
+        cannot tell (the consumer then waits out its pacing as before). Set and read on
+        the loop that iterates ``generate``."""
+        return None

@@ -180,6 +180,15 @@ class _Request:
     prompt_logprobs: Optional[list] = None
     # SamplingParams.bad_words as token sequences (bad_words.bad_words_token_ids).
     bad_words: list = field(default_factory=list)
+    # Set (on ``loop``) with the last item handed over: the finishing delta or an error
+    # (Engine.end_signal).
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hand_over(self, item: Union[TokenDelta, BaseException]) -> None:
+        """On ``loop``: queue ``item`` for ``generate``; the last one sets ``ended``."""
+        self.results.put_nowait(item)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            self.ended.set()
 
 
 @dataclass(slots=True)
@@ -322,6 +331,8 @@ class TorchEngine(Engine):
         self._thread: Optional[threading.Thread] = None
         self._dead: Optional[BaseException] = None
         self._active_ids: set[str] = set()
+        # Of the requests generate() is streaming: their _Request.ended (end_signal).
+        self._ended: dict[str, asyncio.Event] = {}
         self._eos_token_ids: set[int] = set()
         # Written by the loop thread only; read by stats().
         self._num_submitted = 0
@@ -619,6 +630,7 @@ class TorchEngine(Engine):
         self._check_alive()
         # Claimed before the (awaiting) prefix fetch, so a duplicate id is still refused.
         self._active_ids.add(request.request_id)
+        self._ended[request.request_id] = req.ended
         submitted = finished = False
         try:
             if self._kv is not None and params.prompt_logprobs is None:
@@ -644,9 +656,13 @@ class TorchEngine(Engine):
             raise
         finally:
             self._active_ids.discard(request.request_id)
+            self._ended.pop(request.request_id, None)
             if submitted and not finished:
                 # aclose() or cancellation: free the slot at the next step.
                 self._inbox.put(_Abort(request.request_id))
+
+    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
+        return self._ended.get(request_id)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -1348,7 +1364,7 @@ class TorchEngine(Engine):
         if req is None:
             return False
         try:
-            req.loop.call_soon_threadsafe(req.results.put_nowait, item)
+            req.loop.call_soon_threadsafe(req.hand_over, item)
             return True
         except RuntimeError:  # loop closed
             return False

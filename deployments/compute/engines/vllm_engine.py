@@ -401,6 +401,9 @@ class VLLMEngine(Engine):
         self._lora_requests: dict[str, Any] = {}
         self._shutdown = False
         self._active_ids: set[str] = set()
+        # Of the requests generate() is streaming: set when vLLM has finished one, its
+        # last output already in its queue (end_signal; from the stat logger's record).
+        self._ended: dict[str, asyncio.Event] = {}
         # Written from vLLM's stat logger (same event loop); read by stats().
         self._sched_running = 0
         self._sched_waiting = 0
@@ -549,6 +552,13 @@ class VLLMEngine(Engine):
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                # Called by AsyncLLM's output handler, on the engine's loop, once a step's
+                # outputs are in their requests' queues: a finished request's last delta
+                # is ready to read.
+                for finished in getattr(iteration_stats, "finished_requests", None) or ():
+                    ended = engine._ended.get(finished.request_id)
+                    if ended is not None:
+                        ended.set()
                 if scheduler_stats is not None:
                     engine._sched_running = int(scheduler_stats.num_running_reqs)
                     engine._sched_waiting = int(scheduler_stats.num_waiting_reqs) + int(
@@ -592,6 +602,12 @@ class VLLMEngine(Engine):
             self._lora_requests[name] = lora_request
         if self._lora_requests:
             logger.info("vLLM engine: LoRA adapters %s", ", ".join(self._lora_requests))
+
+    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
+        """Set by the stat logger when vLLM reports the request finished (its stats'
+        ``finished_requests``, by the request id we gave it). An error ends the stream
+        without it: the consumer's wait ends then at its interval, as before."""
+        return self._ended.get(request_id)
 
     async def check_health(self) -> None:
         if self._llm is None:
@@ -669,6 +685,7 @@ class VLLMEngine(Engine):
         all_token_ids: list[int] = []
         streamed = ""
         self._active_ids.add(request.request_id)
+        self._ended[request.request_id] = asyncio.Event()
         stream = llm.generate(
             prompt, params, request.request_id, priority=request.priority,
             lora_request=self._lora_requests[request.lora] if request.lora else None,
@@ -739,6 +756,7 @@ class VLLMEngine(Engine):
             raise EngineError(f"vLLM failed the request: {cause!r}") from e
         finally:
             self._active_ids.discard(request.request_id)
+            self._ended.pop(request.request_id, None)
             # Closing vLLM's generator runs its abort path (GeneratorExit → abort in the
             # output processor and the EngineCore) before we return; a no-op when the
             # request already finished.

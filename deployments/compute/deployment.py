@@ -50,6 +50,29 @@ def _until_length_end(remaining_tokens: int, tokens_per_s: float) -> float:
     return max(0.0, remaining_tokens) / tokens_per_s
 
 
+async def _wait_unless_done(done: asyncio.Future, seconds: float) -> bool:
+    """Wait ``seconds``, or until ``done`` completes if sooner (it is watched, never
+    cancelled); whether it is done. As cheap as ``asyncio.sleep`` (a timer and a future;
+    ``asyncio.timeout`` around a wait cost ~30 µs more per wait here, in its cancellation)."""
+    if done.done():
+        return True
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_=None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    timer = loop.call_later(seconds, wake)
+    done.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        done.remove_done_callback(wake)
+    return done.done()
+
+
 WARMUP_PROMPT_TOKEN_IDS = list(range(10, 42))
 
 
@@ -328,11 +351,7 @@ class ComputeWorker(DrainsOnStop):
                         if ended is not None:
                             # The engine says when the last delta is ready (EOS, a stop,
                             # max_tokens): the wait ends then, not at its full length.
-                            if not ended.is_set():
-                                with contextlib.suppress(TimeoutError):
-                                    async with asyncio.timeout(interval_s):
-                                        await ended.wait()
-                            if ended.is_set():  # once: the next delta is the last
+                            if await _wait_unless_done(ended, interval_s):  # once: the next delta is the last
                                 self._m_pacing_ended_early.inc()
                             continue
                         now = time.monotonic()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from deployments.compute.deployment import ComputeWorker, _until_length_end
+from deployments.compute.deployment import ComputeWorker, _until_length_end, _wait_unless_done
 from deployments.compute.engines.protocol import (
     GenerationRequest,
     SamplingParams,
@@ -51,21 +51,21 @@ class _SignallingEngine(_ClockEngine):
 
     def __init__(self, eos_after: int | None = None):
         super().__init__(eos_after)
-        self._ended: dict[str, asyncio.Event] = {}
+        self._ended: dict[str, asyncio.Future] = {}
         self.signals_made = 0
 
     def end_signal(self, request_id):
         return self._ended.get(request_id)
 
     async def generate(self, request):
-        ended = self._ended[request.request_id] = asyncio.Event()
+        ended = self._ended[request.request_id] = asyncio.get_running_loop().create_future()
         self.signals_made += 1
         limit = request.sampling.max_tokens if self.eos_after is None else self.eos_after
-        # The last token is made behind the consumer's back while it waits: the event is
-        # set then, and the delta that carries it is read when the wait ends.
+        # The last token is made behind the consumer's back while it waits: the future is
+        # done then, and the delta that carries it is read when the wait ends.
         async def mark_end():
             await asyncio.sleep(limit * TOKEN_PERIOD_S)
-            ended.set()
+            ended.set_result(None)
 
         marker = asyncio.create_task(mark_end())
         try:
@@ -166,3 +166,32 @@ def test_the_first_delta_logs_the_workers_part_of_ttft_at_debug(caplog):
 )
 def test_until_length_end(remaining, rate, expected):
     assert _until_length_end(remaining, rate) == pytest.approx(expected)
+
+
+def test_wait_unless_done_ends_with_the_future_and_leaves_it_alone():
+    async def run():
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        loop.call_later(0.05, done.set_result, None)
+        started = time.monotonic()
+        assert await _wait_unless_done(done, 5.0) is True
+        cut = time.monotonic() - started
+        assert await _wait_unless_done(done, 5.0) is True  # already done: no wait
+
+        pending = loop.create_future()
+        started = time.monotonic()
+        assert await _wait_unless_done(pending, 0.05) is False
+        waited = time.monotonic() - started
+        # A cancelled wait leaves the watched future as it was, with no callback of ours.
+        task = asyncio.ensure_future(_wait_unless_done(pending, 5.0))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not pending.done() and not pending.cancelled()
+        return cut, waited, pending._callbacks  # asyncio's own list (None when empty)
+
+    cut, waited, callbacks = asyncio.run(run())
+    assert cut < 2.0, f"did not end with the future: {cut:.2f}s"
+    assert waited >= 0.04
+    assert not callbacks

@@ -301,10 +301,11 @@ class Engine(abc.ABC):
         after its warm-up generation, which is no guide to the speed of serving. Engines
         that measure nothing need not override it."""
 
-    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
-        """An event of the request ``request_id`` that ``generate`` is streaming, set
-        once its stream's last delta (the finishing one, or its error) is ready to read,
-        before the consumer reads it; None once that stream is closed, or when the engine
-        cannot tell (the consumer then waits out its pacing as before). Set and read on
-        the loop that iterates ``generate``."""
+    def end_signal(self, request_id: str) -> Optional[asyncio.Future]:
+        """A future of the request ``request_id`` that ``generate`` is streaming, done
+        (result None) once its stream's last delta (the finishing one, or its error) is
+        ready to read, before the consumer reads it; None once that stream is closed, or
+        when the engine cannot tell (the consumer then waits out its pacing as before).
+        Made, completed and read on the loop that iterates ``generate``; a consumer only
+        watches it (never cancels it)."""
         return None

@@ -180,15 +180,15 @@ class _Request:
     prompt_logprobs: Optional[list] = None
     # SamplingParams.bad_words as token sequences (bad_words.bad_words_token_ids).
     bad_words: list = field(default_factory=list)
-    # Set (on ``loop``) with the last item handed over: the finishing delta or an error
-    # (Engine.end_signal).
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # Done (on ``loop``) with the last item handed over: the finishing delta or an error
+    # (Engine.end_signal). Made in generate, on ``loop``.
+    ended: Optional[asyncio.Future] = None
 
     def hand_over(self, item: Union[TokenDelta, BaseException]) -> None:
-        """On ``loop``: queue ``item`` for ``generate``; the last one sets ``ended``."""
+        """On ``loop``: queue ``item`` for ``generate``; the last one completes ``ended``."""
         self.results.put_nowait(item)
-        if isinstance(item, BaseException) or item.finish_reason is not None:
-            self.ended.set()
+        if (isinstance(item, BaseException) or item.finish_reason is not None) and not self.ended.done():
+            self.ended.set_result(None)
 
 
 @dataclass(slots=True)
@@ -332,7 +332,7 @@ class TorchEngine(Engine):
         self._dead: Optional[BaseException] = None
         self._active_ids: set[str] = set()
         # Of the requests generate() is streaming: their _Request.ended (end_signal).
-        self._ended: dict[str, asyncio.Event] = {}
+        self._ended: dict[str, asyncio.Future] = {}
         self._eos_token_ids: set[int] = set()
         # Written by the loop thread only; read by stats().
         self._num_submitted = 0
@@ -613,6 +613,7 @@ class TorchEngine(Engine):
         params = request.sampling
         constraint = await self._constraint(params) if params.structured_output else None
         bad_words = self._bad_words(params.bad_words) if params.bad_words else []
+        loop = asyncio.get_running_loop()
         req = _Request(
             seq=Sequence(request.request_id, list(request.prompt_token_ids), params.max_tokens,
                          priority=request.priority),
@@ -622,8 +623,9 @@ class TorchEngine(Engine):
                 include_stop=params.include_stop_str_in_output,
             ),
             generator=make_generator(params.seed) if params.temperature > 0 else None,
-            loop=asyncio.get_running_loop(),
+            loop=loop,
             results=asyncio.Queue(),
+            ended=loop.create_future(),
             constraint=constraint,
             bad_words=bad_words,
         )
@@ -661,7 +663,7 @@ class TorchEngine(Engine):
                 # aclose() or cancellation: free the slot at the next step.
                 self._inbox.put(_Abort(request.request_id))
 
-    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
+    def end_signal(self, request_id: str) -> Optional[asyncio.Future]:
         return self._ended.get(request_id)
 
     def _check_alive(self) -> None:

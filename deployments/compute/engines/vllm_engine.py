@@ -401,9 +401,9 @@ class VLLMEngine(Engine):
         self._lora_requests: dict[str, Any] = {}
         self._shutdown = False
         self._active_ids: set[str] = set()
-        # Of the requests generate() is streaming: set when vLLM has finished one, its
+        # Of the requests generate() is streaming: done when vLLM has finished one, its
         # last output already in its queue (end_signal; from the stat logger's record).
-        self._ended: dict[str, asyncio.Event] = {}
+        self._ended: dict[str, asyncio.Future] = {}
         # Written from vLLM's stat logger (same event loop); read by stats().
         self._sched_running = 0
         self._sched_waiting = 0
@@ -557,8 +557,8 @@ class VLLMEngine(Engine):
                 # is ready to read.
                 for finished in getattr(iteration_stats, "finished_requests", None) or ():
                     ended = engine._ended.get(finished.request_id)
-                    if ended is not None:
-                        ended.set()
+                    if ended is not None and not ended.done():
+                        ended.set_result(None)
                 if scheduler_stats is not None:
                     engine._sched_running = int(scheduler_stats.num_running_reqs)
                     engine._sched_waiting = int(scheduler_stats.num_waiting_reqs) + int(
@@ -603,8 +603,8 @@ class VLLMEngine(Engine):
         if self._lora_requests:
             logger.info("vLLM engine: LoRA adapters %s", ", ".join(self._lora_requests))
 
-    def end_signal(self, request_id: str) -> Optional[asyncio.Event]:
-        """Set by the stat logger when vLLM reports the request finished (its stats'
+    def end_signal(self, request_id: str) -> Optional[asyncio.Future]:
+        """Completed by the stat logger when vLLM reports the request finished (its stats'
         ``finished_requests``, by the request id we gave it). An error ends the stream
         without it: the consumer's wait ends then at its interval, as before."""
         return self._ended.get(request_id)
@@ -685,7 +685,7 @@ class VLLMEngine(Engine):
         all_token_ids: list[int] = []
         streamed = ""
         self._active_ids.add(request.request_id)
-        self._ended[request.request_id] = asyncio.Event()
+        self._ended[request.request_id] = asyncio.get_running_loop().create_future()
         stream = llm.generate(
             prompt, params, request.request_id, priority=request.priority,
             lora_request=self._lora_requests[request.lora] if request.lora else None,

@@ -328,7 +328,14 @@ async def test_dead_engine_core_fails_health_and_requests(engine):
     stream = engine.generate(make_request("inflight", ids, max_tokens=900, ignore_eos=True))
     await stream.__anext__()
     children = psutil.Process(os.getpid()).children(recursive=False)
-    cores = [p for p in children if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+
+    def is_engine_core(p) -> bool:
+        try:
+            return "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()
+        except psutil.NoSuchProcess:  # gone, or a zombie (an earlier test's engine, not reaped yet)
+            return False
+
+    cores = [p for p in children if is_engine_core(p)]
     assert cores, f"no EngineCore child among {[(p.pid, p.name()) for p in children]}"
     for proc in cores:
         os.kill(proc.pid, signal.SIGKILL)

@@ -15,7 +15,8 @@ On the tiny checkpoint (built if missing), our app (data plane off, as
 (``return_token_ids``); the end ``n`` is the first position from ``output_len / 2`` on
 whose token has not come before. Then, alternated request by request at each
 concurrency (closed loop, streamed): ``length``, ``max_tokens = n``; ``stop``, the same
-prompt with ``max_tokens = output_len`` and that token in ``stop_token_ids``. Both
+prompt with that token in ``stop_token_ids`` and ``max_tokens = 4 n`` (far enough that
+the worker's projection of a length end never cuts its wait). Both
 generate the same ``n`` tokens (checked from each stream's usage). Reported per level:
 the median time to the end of the stream of each kind, and stop / length (1.0: the end
 costs nothing). Loopback only; Ray is shut down at the end.

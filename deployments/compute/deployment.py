@@ -317,8 +317,8 @@ class ComputeWorker(DrainsOnStop):
             rate = ec.stream_max_messages_per_s
             max_tokens = request.sampling.max_tokens
             first_at, first_tokens = None, 0
-            # The engine's event for this request's end (Engine.end_signal), once it has
-            # one: it is made when the engine takes the request.
+            # The engine's future for this request's end (Engine.end_signal), looked up at
+            # the first wait: the engine makes it when it takes the request.
             end_signal = getattr(self._engine, "end_signal", None)
             ended = None
             self._num_in_flight += 1

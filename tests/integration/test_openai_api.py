@@ -877,6 +877,12 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
     ):
         pass
     served_app.client().completions.create(model=served_app.model_id, prompt="metrics", max_tokens=2, logprobs=1)
+    # A stream long enough to be paced (the tiny model makes a token every few ms; the
+    # worker waits 15 ms between messages): its last wait ends with the engine's signal.
+    for _ in served_app.client().completions.create(
+        model=served_app.model_id, prompt="metrics", max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+    ):
+        pass
     wanted = [
         "ray_llm_request_features_total",
         "ray_llm_prompt_tokens_total",
@@ -886,6 +892,7 @@ def test_metrics_endpoint_exposes_request_latency_and_router_figures(served_app)
         "ray_llm_e2e_latency_seconds_bucket",
         "ray_llm_router_queue_depth",
         "ray_llm_router_batch_size_bucket",
+        "ray_llm_worker_stream_waits_ended_early_total",
     ]
     deadline = time.monotonic() + 90  # exports every second; a loaded node answers slowly
     missing = wanted

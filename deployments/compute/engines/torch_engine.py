@@ -330,9 +330,8 @@ class TorchEngine(Engine):
         self._lifecycle_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._dead: Optional[BaseException] = None
-        self._active_ids: set[str] = set()
-        # Of the requests generate() is streaming: their _Request.ended (end_signal).
-        self._ended: dict[str, asyncio.Future] = {}
+        # The requests generate() is streaming, each with its _Request.ended (end_signal).
+        self._active: dict[str, asyncio.Future] = {}
         self._eos_token_ids: set[int] = set()
         # Written by the loop thread only; read by stats().
         self._num_submitted = 0
@@ -556,7 +555,7 @@ class TorchEngine(Engine):
             request,
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
-            active_ids=self._active_ids,
+            active_ids=self._active,
         )
         if request.lora is not None and request.lora not in self._lora_slots:
             raise RequestRejected(f"no LoRA adapter {request.lora!r} here", param="model")
@@ -631,8 +630,7 @@ class TorchEngine(Engine):
         )
         self._check_alive()
         # Claimed before the (awaiting) prefix fetch, so a duplicate id is still refused.
-        self._active_ids.add(request.request_id)
-        self._ended[request.request_id] = req.ended
+        self._active[request.request_id] = req.ended
         submitted = finished = False
         try:
             if self._kv is not None and params.prompt_logprobs is None:
@@ -657,14 +655,13 @@ class TorchEngine(Engine):
             finished = True  # the engine already dropped it (or never took it)
             raise
         finally:
-            self._active_ids.discard(request.request_id)
-            self._ended.pop(request.request_id, None)
+            self._active.pop(request.request_id, None)
             if submitted and not finished:
                 # aclose() or cancellation: free the slot at the next step.
                 self._inbox.put(_Abort(request.request_id))
 
     def end_signal(self, request_id: str) -> Optional[asyncio.Future]:
-        return self._ended.get(request_id)
+        return self._active.get(request_id)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

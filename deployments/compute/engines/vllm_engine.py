@@ -400,10 +400,10 @@ class VLLMEngine(Engine):
         self.lora_modules = dict(lora_modules or {})
         self._lora_requests: dict[str, Any] = {}
         self._shutdown = False
-        self._active_ids: set[str] = set()
-        # Of the requests generate() is streaming: done when vLLM has finished one, its
-        # last output already in its queue (end_signal; from the stat logger's record).
-        self._ended: dict[str, asyncio.Future] = {}
+        # The requests generate() is streaming, each with a future done when vLLM has
+        # finished it, its last output already in its queue (end_signal; from the stat
+        # logger's record).
+        self._active: dict[str, asyncio.Future] = {}
         # Written from vLLM's stat logger (same event loop); read by stats().
         self._sched_running = 0
         self._sched_waiting = 0
@@ -556,7 +556,7 @@ class VLLMEngine(Engine):
                 # outputs are in their requests' queues: a finished request's last delta
                 # is ready to read.
                 for finished in getattr(iteration_stats, "finished_requests", None) or ():
-                    ended = engine._ended.get(finished.request_id)
+                    ended = engine._active.get(finished.request_id)
                     if ended is not None and not ended.done():
                         ended.set_result(None)
                 if scheduler_stats is not None:
@@ -607,7 +607,7 @@ class VLLMEngine(Engine):
         """Completed by the stat logger when vLLM reports the request finished (its stats'
         ``finished_requests``, by the request id we gave it). An error ends the stream
         without it: the consumer's wait ends then at its interval, as before."""
-        return self._ended.get(request_id)
+        return self._active.get(request_id)
 
     async def check_health(self) -> None:
         if self._llm is None:
@@ -623,7 +623,7 @@ class VLLMEngine(Engine):
         # Our own count of unfinished requests is exact and current; the scheduler's last
         # report (which may be a step old, and is not re-sent once the engine idles) only
         # splits it into running and waiting.
-        active = len(self._active_ids)
+        active = len(self._active)
         running = min(self._sched_running, active)
         return EngineStats(
             num_running=running,
@@ -640,7 +640,7 @@ class VLLMEngine(Engine):
             request,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
-            active_ids=self._active_ids,
+            active_ids=self._active,
         )
         if request.lora is not None and request.lora not in self._lora_requests:
             raise RequestRejected(f"no LoRA adapter {request.lora!r} here", param="model")
@@ -684,8 +684,7 @@ class VLLMEngine(Engine):
         got_output = prompt_sent = False
         all_token_ids: list[int] = []
         streamed = ""
-        self._active_ids.add(request.request_id)
-        self._ended[request.request_id] = asyncio.get_running_loop().create_future()
+        self._active[request.request_id] = asyncio.get_running_loop().create_future()
         stream = llm.generate(
             prompt, params, request.request_id, priority=request.priority,
             lora_request=self._lora_requests[request.lora] if request.lora else None,
@@ -755,8 +754,7 @@ class VLLMEngine(Engine):
             cause = e.__cause__ or e
             raise EngineError(f"vLLM failed the request: {cause!r}") from e
         finally:
-            self._active_ids.discard(request.request_id)
-            self._ended.pop(request.request_id, None)
+            self._active.pop(request.request_id, None)
             # Closing vLLM's generator runs its abort path (GeneratorExit → abort in the
             # output processor and the EngineCore) before we return; a no-op when the
             # request already finished.

@@ -15,11 +15,10 @@ which is what a worker without those settings pays.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
-from loadtests.kv_decode import alternate_calls, print_medians
+from loadtests.kv_decode import alternate_calls, codec_bench_args, print_medians
 
 
 def _per_block(span, block_size: int) -> list:
@@ -34,19 +33,13 @@ def _per_block(span, block_size: int) -> list:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=128)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--calls", type=int, default=30)
-    args = parser.parse_args(argv)
+    args, dtype = codec_bench_args(__doc__.splitlines()[0], argv, blocks=128, calls=30)
 
     import torch
 
     from deployments.compute.engines.kv_codec import encode_kv_blocks
     from deployments.dataplane.blocks import decode_block
 
-    torch.set_num_threads(1)  # as the engines run here (engine.num_threads)
-    dtype = getattr(torch, args.dtype)
     block_size = 16
     tokens = block_size * args.blocks
     cache = torch.randn(4, 2, 8, tokens + 64, 64).to(dtype)

@@ -70,12 +70,24 @@ def print_medians(times: dict[str, list[float]], calls: int, before: str, after:
     print(f"{before} / {after}: {medians[before] / medians[after]:.2f}x")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=119)
+def codec_bench_args(description: str, argv, *, blocks: int, calls: int):
+    """The options of this and ``loadtests.export_encode`` (``--blocks``, ``--dtype``,
+    ``--calls``), parsed; torch on one thread, as the engines run here
+    (``engine.num_threads``). The arguments, and the torch dtype they name."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--blocks", type=int, default=blocks)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=calls)
     args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    return args, getattr(torch, args.dtype)
+
+
+def main(argv=None) -> None:
+    args, dtype = codec_bench_args(__doc__.splitlines()[0], argv, blocks=119, calls=40)
 
     import torch
 
@@ -83,8 +95,6 @@ def main(argv=None) -> None:
     from deployments.compute.engines.kv_codec import _SAME_WIDTH_INT, decode_kv_blocks, encode_kv_blocks
     from deployments.dataplane.blocks import pack_blocks, unpack_blocks
 
-    torch.set_num_threads(1)  # as the engines run here (engine.num_threads)
-    dtype = getattr(torch, args.dtype)
     shape = (4, 2, 8, 16, 64)
     span_shape = (4, 2, 8, 16 * args.blocks, 64)
     print(f"[kv-decode] encoding {args.blocks} blocks of {list(shape)} {args.dtype}", file=sys.stderr, flush=True)

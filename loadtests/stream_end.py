@@ -31,7 +31,6 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from loadtests.benchmark import write_report
 from loadtests.compare_vllm import MODEL_NAME, OurApp, add_load_options, prepare
@@ -39,15 +38,6 @@ from loadtests.compare_vllm import MODEL_NAME, OurApp, add_load_options, prepare
 
 def _say(msg: str) -> None:
     print(f"[stream_end] {msg}", file=sys.stderr, flush=True)
-
-
-def app_config(model_path: Path, args) -> dict:
-    from loadtests.compare_vllm import app_args
-
-    app = app_args(model_path, args)
-    if args.engine == "torch":
-        app["engine"] = {k: v for k, v in app["engine"].items() if k != "vllm"} | {"name": "torch"}
-    return app
 
 
 async def _stream(session, url: str, body: dict) -> tuple[float, int]:
@@ -141,8 +131,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.ingress = "serve-proxy"
     model_path = prepare(args)
-    app = OurApp(model_path, args, args.port)
-    app.app_args = app_config(model_path, args)
+    app = OurApp(model_path, args, args.port)  # compare_vllm's app: the vLLM engine
+    if args.engine == "torch":
+        engine = app.app_args["engine"]
+        app.app_args["engine"] = {k: v for k, v in engine.items() if k != "vllm"} | {"name": "torch"}
     try:
         _say(f"starting our app ({args.engine} engine) in {app.start(args.start_timeout_s):.0f}s")
         results = asyncio.run(run(f"http://127.0.0.1:{args.port}", args))

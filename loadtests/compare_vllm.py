@@ -1,6 +1,7 @@
 """Our Serve app with the vLLM engine versus plain ``vllm serve``, same engine options.
 
     python -m loadtests.compare_vllm [--rounds 2] [--concurrency 1,8,32] [--out FILE.json]
+    python -m loadtests.compare_vllm --paired 8 [--concurrency 1,8,32] [--settle-s 1]
 
 On the tiny checkpoint (``models/tiny``, built if missing) it alternates, in each round:
 
@@ -11,7 +12,15 @@ On the tiny checkpoint (``models/tiny``, built if missing) it alternates, in eac
 * (b) ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` in its own process group
   (the ``vllm`` CLI trips over this package's name), then the whole group is stopped.
 
-Never both at once. The vLLM engine options are the ones our config produces
+Never both at once. ``--paired N`` instead starts both once (plain vLLM on the next
+port) and keeps the one not being measured frozen (SIGSTOP of its processes, see
+``loadtests.paired``); then N pairs of back-to-back slices, one level of each system at
+each concurrency, the order flipped from one slice pair to the next, and a ratio per
+pair: the median ratio with a bootstrap 90% interval per concurrency. A round of the
+default mode puts a start-up (a minute or more) between its two systems, and this
+machine's speed drifts that much between minutes; the two slices of a pair are seconds
+apart. The report also says how much CPU a frozen system used during the other's slices
+(0 when the freeze held). The vLLM engine options are the ones our config produces
 (``engine_args_kwargs``: enforce_eager, max_num_seqs, KV cache bytes, dtype, prefix
 caching, seed...), turned into the server's command-line flags, so both run the same
 engine. Each system is measured with ``loadtests.benchmark.run_level`` (completions
@@ -254,9 +263,16 @@ _ROLES = (
 )
 
 
-def _cpu_by_role() -> dict[str, float]:
+# In --paired runs, where both servers run at once (each frozen while the other is
+# measured), the roles of plain vLLM's processes (its own process group) carry this
+# prefix: our worker's engine processes have the same titles.
+PLAIN_VLLM_PREFIX = "plain vllm: "
+
+
+def _cpu_by_role(vllm_pgid: Optional[int] = None) -> dict[str, float]:
     """CPU seconds (user + system) consumed so far by each role's processes; the rest of
-    the machine under "other"."""
+    the machine under "other". ``vllm_pgid``: plain vLLM's process group, whose roles get
+    :data:`PLAIN_VLLM_PREFIX`."""
     import psutil
 
     out: dict[str, float] = {}
@@ -264,46 +280,55 @@ def _cpu_by_role() -> dict[str, float]:
         try:
             title = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
             times = p.info["cpu_times"]
-        except (psutil.Error, TypeError):
+            plain = vllm_pgid is not None and os.getpgid(p.pid) == vllm_pgid
+        except (psutil.Error, TypeError, ProcessLookupError):
             continue
         if times is None:
             continue
         role = next((r for pat, r in _ROLES if pat in title), "other")
+        if plain:
+            role = PLAIN_VLLM_PREFIX + role
         out[role] = out.get(role, 0.0) + times.user + times.system
     return out
 
 
+def measure_level(
+    base_url: str, system: str, rnd: int, c: int, args, label: str = "", vllm_pgid: Optional[int] = None
+) -> dict:
+    """One closed-loop level at concurrency ``c`` (``args``' load), with the machine's load
+    average around it and where the CPU went over it, per process role (``vllm_pgid``:
+    see :func:`_cpu_by_role`)."""
+    n = max(args.min_prompts, args.prompts_per_slot * c)
+    _say(f"{label or f'round {rnd}'}: {system} concurrency {c}, {n} requests")
+    before = _loadavg()
+    # Per role: CPU seconds over the level, and per 1000 output tokens: where the two
+    # cores go, ours against plain vLLM (processes that started or ended during the
+    # level are not counted).
+    cpu_before = _cpu_by_role(vllm_pgid)
+    level = asyncio.run(
+        run_level(
+            base_url, MODEL_NAME, c, n, input_len=args.input_len, output_len=args.output_len,
+            vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
+            label=f"{system} c={c} r{rnd}", progress=False,
+        )
+    )
+    cpu_after = _cpu_by_role(vllm_pgid)
+    tokens = level.get("total_output_tokens") or 0
+    cpu = {
+        role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3)
+        for role in cpu_after
+        if cpu_after[role] - cpu_before.get(role, 0.0) > 0.005
+    }
+    level.update(
+        system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg(),
+        cpu_seconds_by_role=cpu,
+        cpu_ms_per_1k_output_tokens={r: round(1e6 * v / tokens, 1) for r, v in cpu.items()} if tokens else {},
+    )
+    return level
+
+
 def measure(base_url: str, system: str, rnd: int, args) -> list[dict]:
-    levels = []
-    for c in args.concurrency:
-        n = max(args.min_prompts, args.prompts_per_slot * c)
-        _say(f"round {rnd}: {system} concurrency {c}, {n} requests")
-        before = _loadavg()
-        # Per role: CPU seconds over the level, and per 1000 output tokens: where the two
-        # cores go, ours against plain vLLM (processes that started or ended during the
-        # level are not counted).
-        cpu_before = _cpu_by_role()
-        level = asyncio.run(
-            run_level(
-                base_url, MODEL_NAME, c, n, input_len=args.input_len, output_len=args.output_len,
-                vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
-                label=f"{system} c={c} r{rnd}", progress=False,
-            )
-        )
-        cpu_after = _cpu_by_role()
-        tokens = level.get("total_output_tokens") or 0
-        cpu = {
-            role: round(cpu_after[role] - cpu_before.get(role, 0.0), 3)
-            for role in cpu_after
-            if cpu_after[role] - cpu_before.get(role, 0.0) > 0.005
-        }
-        level.update(
-            system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg(),
-            cpu_seconds_by_role=cpu,
-            cpu_ms_per_1k_output_tokens={r: round(1e6 * v / tokens, 1) for r, v in cpu.items()} if tokens else {},
-        )
-        levels.append(level)
-    return levels
+    return [measure_level(base_url, system, rnd, c, args) for c in args.concurrency]
 
 
 def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str = "vllm") -> dict:
@@ -358,6 +383,97 @@ def alternate(
         for _, system in systems:
             system.stop()
     return levels, startups
+
+
+def paired(ours: "OurApp", vllm_server: "VLLMServer", args, say) -> tuple[list[dict], list[dict], dict]:
+    """``--paired N``: both systems started once (plain vLLM first, on ``args.port + 1``;
+    ours on ``args.port``), each frozen (``loadtests.paired.Freezer``) except while it is
+    measured; then ``N`` pairs, each one level of each system at every concurrency, back
+    to back, the order flipped from one slice pair to the next. Returns the slices (levels
+    with ``pair``, and ``frozen_cpu_s``: what the frozen system's processes used meanwhile,
+    ~0 when the freeze held), the start-ups, and the freezes' process counts."""
+    from loadtests.paired import Freezer, descendants, process_group
+
+    def on_sigterm(*_):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    urls = {"ours": f"http://127.0.0.1:{ours.port}", "vllm": f"http://127.0.0.1:{vllm_server.port}"}
+    freezers: dict[str, Freezer] = {}
+    startups: list[dict] = []
+    slices: list[dict] = []
+    frozen_counts: dict[str, list[int]] = {"ours": [], "vllm": []}
+    try:
+        say("starting vllm")
+        startups.append({"system": "vllm", "round": 0, "startup_s": round(vllm_server.start(args.start_timeout_s), 1)})
+        pgid = vllm_server.proc.pid  # its own session: the leader's pid is the group's id
+        freezers["vllm"] = Freezer("vllm", lambda: process_group(pgid))
+        frozen_counts["vllm"].append(freezers["vllm"].freeze())
+        say("starting ours (plain vLLM frozen meanwhile)")
+        startups.append({"system": "ours", "round": 0, "startup_s": round(ours.start(args.start_timeout_s), 1)})
+        # Everything this process started (Ray's processes, Serve's replicas, their
+        # engines, HAProxy) but plain vLLM's group.
+        freezers["ours"] = Freezer("ours", lambda: descendants([pgid]))
+        frozen_counts["ours"].append(freezers["ours"].freeze())
+        def frozen_role(frozen: str, role: str) -> bool:
+            """Whether ``role`` is one of the ``frozen`` system's processes."""
+            if frozen == "vllm":
+                return role.startswith(PLAIN_VLLM_PREFIX)
+            return not role.startswith(PLAIN_VLLM_PREFIX) and role not in ("other", "load generator (this process)")
+
+        k = 0
+        for pair in range(1, args.paired + 1):
+            for c in args.concurrency:
+                order = ("ours", "vllm") if k % 2 == 0 else ("vllm", "ours")
+                k += 1
+                for name in order:
+                    other = "vllm" if name == "ours" else "ours"
+                    freezers[name].thaw()
+                    try:
+                        time.sleep(args.settle_s)  # timers that came due while it was frozen
+                        level = measure_level(
+                            urls[name], name, pair, c, args, label=f"pair {pair}/{args.paired}", vllm_pgid=pgid
+                        )
+                    finally:
+                        frozen_counts[name].append(freezers[name].freeze())
+                    cpu = level.get("cpu_seconds_by_role", {})
+                    level["pair"] = pair
+                    level["frozen_cpu_s"] = round(sum(v for r, v in cpu.items() if frozen_role(other, r)), 3)
+                    # The measured system's share (the frozen one's is frozen_cpu_s).
+                    level["cpu_ms_per_1k_output_tokens"] = {
+                        r: v for r, v in level.get("cpu_ms_per_1k_output_tokens", {}).items()
+                        if not frozen_role(other, r)
+                    }
+                    slices.append(level)
+    finally:
+        for f in freezers.values():
+            f.thaw()
+        for system in (vllm_server, ours):
+            try:
+                system.stop()
+            except Exception as e:  # noqa: BLE001 - stop the other one too
+                say(f"stopping {type(system).__name__} failed: {e!r}")
+    return slices, startups, {n: sorted(set(v)) for n, v in frozen_counts.items()}
+
+
+def print_pairs(stats: dict, slices: list[dict], concurrencies: list[int]) -> None:
+    """``loadtests.paired.pair_stats``' table of output tokens/s, and the freeze's check."""
+    print("output tok/s, ours / plain vLLM per pair (each pair back to back, the other system frozen):")
+    print(f"{'c':>4}  {'pairs':>5}  {'ours med':>9}  {'vllm med':>9}  {'ratio med':>9}  {'90% interval':>14}  "
+          f"{'>1':>5}  per pair")
+    for c in concurrencies:
+        r = stats.get(f"c{c}", {})
+        if not r.get("pairs"):
+            print(f"{c:>4}  {0:>5}  (no complete pair)")
+            continue
+        lo, hi = r["interval"]
+        print(
+            f"{c:>4}  {r['pairs']:>5}  {r['ours_median']:>9.1f}  {r['vllm_median']:>9.1f}  "
+            f"{r['median_ratio']:>9.2f}  {f'{lo:.2f}-{hi:.2f}':>14}  {r['share_above_1']:>5.2f}  "
+            + " ".join(f"{x:.2f}" for x in r["ratios"])
+        )
+    worst = max((s.get("frozen_cpu_s", 0.0) for s in slices), default=0.0)
+    print(f"most CPU a frozen system used during one of the other's slices: {worst:.3f} s")
 
 
 def print_ratios(table: dict, concurrencies: list[int], a: str, b: str) -> None:
@@ -436,15 +552,50 @@ def main(argv=None) -> int:
         "--apart", dest="with_worker", action="store_const", const=False,
         help="our app with ingress.with_worker: false (the ingress and its worker apart)",
     )
+    p.add_argument(
+        "--paired", type=int, default=0, metavar="N",
+        help="both systems up at once, the one not measured frozen (SIGSTOP); N pairs of "
+        "back-to-back slices per concurrency, a ratio per pair (instead of --rounds)",
+    )
+    p.add_argument(
+        "--settle-s", type=float, default=1.0,
+        help="--paired: seconds between thawing a system and measuring it",
+    )
     p.add_argument("--out", default="loadtests/results/compare_vllm.json")
     args = p.parse_args(argv)
     model_path = prepare(args)
     base_url = f"http://127.0.0.1:{args.port}"
     log_path = Path(tempfile.gettempdir()) / f"compare_vllm_server_{os.getpid()}.log"
     flags = vllm_flags(model_path, args)
-    vllm_server = VLLMServer(flags, args.port, log_path)
+    # --paired: both up at once, plain vLLM on the next port.
+    vllm_server = VLLMServer(flags, args.port + 1 if args.paired else args.port, log_path)
     ours = OurApp(model_path, args, args.port)
     _say(f"vllm flags: {' '.join(flags)} (server log: {log_path})")
+
+    if args.paired:
+        try:
+            slices, startups, frozen = paired(ours, vllm_server, args, _say)
+        except KeyboardInterrupt:
+            _say("interrupted: everything stopped")
+            return 130
+        from loadtests.paired import pair_stats
+
+        stats = pair_stats(slices, a="ours", b="vllm", key="output_throughput")
+        ttft = pair_stats(slices, a="ours", b="vllm", key="p50_ttft_ms")
+        result = {
+            "args": vars(args), "vllm_command": vllm_server.cmd, "cpu_count": os.cpu_count(),
+            "startups": startups, "frozen_process_counts": frozen, "levels": slices,
+            "pairs_output_tput": stats, "pairs_ttft_p50": ttft,
+        }
+        print(format_table(slices))
+        print_pairs(stats, slices, args.concurrency)
+        print("TTFT p50, ours / plain vLLM, median of pairs: " + ", ".join(
+            f"c={c} {ttft[f'c{c}']['median_ratio']:.2f}" for c in args.concurrency if ttft.get(f"c{c}", {}).get("pairs")
+        ))
+        print(f"processes frozen per freeze: ours {frozen['ours']}, vllm {frozen['vllm']}")
+        print_cpu_by_role(slices)
+        _say(f"stored {write_report(args.out, result)}")
+        return 0
 
     try:
         levels, startups = alternate([("ours", ours), ("vllm", vllm_server)], base_url, args, _say)

@@ -385,13 +385,16 @@ def alternate(
     return levels, startups
 
 
-def paired(ours: "OurApp", vllm_server: "VLLMServer", args, say) -> tuple[list[dict], list[dict], dict]:
+def paired(
+    ours: "OurApp", vllm_server: "VLLMServer", args, say, measure_fn=None
+) -> tuple[list[dict], list[dict], dict]:
     """``--paired N``: both systems started once (plain vLLM first, on ``args.port + 1``;
     ours on ``args.port``), each frozen (``loadtests.paired.Freezer``) except while it is
     measured; then ``N`` pairs, each one level of each system at every concurrency, back
     to back, the order flipped from one slice pair to the next. Returns the slices (levels
     with ``pair``, and ``frozen_cpu_s``: what the frozen system's processes used meanwhile,
-    ~0 when the freeze held), the start-ups, and the freezes' process counts."""
+    ~0 when the freeze held), the start-ups, and the freezes' process counts.
+    ``measure_fn``: :func:`measure_level` by default (a test's stand-in)."""
     from loadtests.paired import Freezer, descendants, process_group
 
     def on_sigterm(*_):
@@ -431,7 +434,7 @@ def paired(ours: "OurApp", vllm_server: "VLLMServer", args, say) -> tuple[list[d
                     freezers[name].thaw()
                     try:
                         time.sleep(args.settle_s)  # timers that came due while it was frozen
-                        level = measure_level(
+                        level = (measure_fn or measure_level)(
                             urls[name], name, pair, c, args, label=f"pair {pair}/{args.paired}", vllm_pgid=pgid
                         )
                     finally:

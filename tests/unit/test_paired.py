@@ -129,3 +129,91 @@ def test_descendants_leave_out_another_process_group():
         for p in (mine, theirs):
             p.kill()
             p.wait()
+
+
+class _Spinning:
+    """A stand-in server: ``start`` starts a busy child (in its own session for the
+    ``vllm`` one, as ``VLLMServer`` does; a child of this process for ``ours``, as Ray's
+    processes are)."""
+
+    def __init__(self, port: int, own_session: bool):
+        self.port, self.own_session, self.proc = port, own_session, None
+        self.stops = 0
+        self.stopped_at_stop = None  # whether it was still frozen when stop() came
+
+    def start(self, timeout_s):
+        self.proc = _spinner(start_new_session=self.own_session)
+        return 0.1
+
+    def stop(self):
+        self.stops += 1
+        if self.proc is not None and self.proc.poll() is None:
+            # A real server's SIGTERM waits while it is frozen: paired() must thaw first.
+            self.stopped_at_stop = _status(self.proc) == psutil.STATUS_STOPPED
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def keep_sigterm():
+    # paired() turns SIGTERM into KeyboardInterrupt for its run, as the tool wants.
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_paired_measures_each_system_with_the_other_frozen_then_stops_both(keep_sigterm):
+    from types import SimpleNamespace
+
+    from loadtests.compare_vllm import paired
+
+    ours, vllm = _Spinning(8001, own_session=False), _Spinning(8002, own_session=True)
+    seen = []
+
+    def measure(url, name, pair, c, args, label="", vllm_pgid=None):
+        other = vllm if name == "ours" else ours
+        me = ours if name == "ours" else vllm
+        assert vllm_pgid == vllm.proc.pid
+        seen.append((name, pair, c, url, _status(me.proc) != psutil.STATUS_STOPPED,
+                     _status(other.proc) == psutil.STATUS_STOPPED))
+        return {"system": name, "concurrency": c, "output_throughput": 100.0 if name == "vllm" else 90.0,
+                "cpu_seconds_by_role": {}, "cpu_ms_per_1k_output_tokens": {}}
+
+    args = SimpleNamespace(paired=2, concurrency=[1, 8], start_timeout_s=10, settle_s=0.0)
+    slices, startups, frozen = paired(ours, vllm, args, lambda msg: None, measure_fn=measure)
+    # Each slice: its own system running, the other stopped; the order flips every pair
+    # of slices; the URL is the system's own port.
+    assert [(n, p, c) for n, p, c, *_ in seen] == [
+        ("ours", 1, 1), ("vllm", 1, 1), ("vllm", 1, 8), ("ours", 1, 8),
+        ("ours", 2, 1), ("vllm", 2, 1), ("vllm", 2, 8), ("ours", 2, 8),
+    ]
+    assert all(running and other_stopped for *_, running, other_stopped in seen)
+    assert {n: u for n, _, _, u, *_ in seen} == {"ours": "http://127.0.0.1:8001", "vllm": "http://127.0.0.1:8002"}
+    assert [s["pair"] for s in slices] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert frozen == {"ours": [1], "vllm": [1]}
+    assert [s["system"] for s in startups] == ["vllm", "ours"]
+    assert ours.stops == 1 and vllm.stops == 1 and ours.proc.poll() is not None and vllm.proc.poll() is not None
+    assert ours.stopped_at_stop is False and vllm.stopped_at_stop is False  # thawed first
+    assert pair_stats(slices, a="ours", b="vllm", key="output_throughput")["c8"]["median_ratio"] == pytest.approx(0.9)
+
+
+def test_paired_thaws_and_stops_both_when_a_slice_fails(keep_sigterm):
+    from types import SimpleNamespace
+
+    from loadtests.compare_vllm import paired
+
+    ours, vllm = _Spinning(8001, own_session=False), _Spinning(8002, own_session=True)
+    procs = []
+
+    def measure(url, name, *a, **kw):
+        procs.extend([ours.proc, vllm.proc])
+        raise RuntimeError("the load failed")
+
+    args = SimpleNamespace(paired=1, concurrency=[1], start_timeout_s=10, settle_s=0.0)
+    with pytest.raises(RuntimeError):
+        paired(ours, vllm, args, lambda msg: None, measure_fn=measure)
+    assert procs and ours.stops == 1 and vllm.stops == 1
+    assert all(p.poll() is not None for p in procs)
+    assert ours.stopped_at_stop is False and vllm.stopped_at_stop is False  # thawed first

@@ -15,8 +15,9 @@ On the tiny checkpoint (``models/tiny``, built if missing) it alternates, in eac
 Never both at once. ``--paired N`` instead starts both once (plain vLLM on the next
 port) and keeps the one not being measured frozen (SIGSTOP of its processes, see
 ``loadtests.paired``); then N pairs of back-to-back slices, one level of each system at
-each concurrency, the order flipped from one slice pair to the next, and a ratio per
-pair: the median ratio with a bootstrap 90% interval per concurrency. A round of the
+each concurrency, the order flipped from one slice pair to the next, the load sent from a
+spawned process (not this one, a Ray driver), and a ratio per pair: the median ratio with
+a bootstrap 90% interval per concurrency. A round of the
 default mode puts a start-up (a minute or more) between its two systems, and this
 machine's speed drifts that much between minutes; the two slices of a pair are seconds
 apart. The report also says how much CPU a frozen system used during the other's slices
@@ -236,6 +237,11 @@ class OurApp:
             ray.shutdown()
 
 
+# The role of the load generator when it runs in a child process (its own CPU time, which
+# the child reports: it starts and ends within the level, so the snapshots miss it).
+LOAD_CHILD_ROLE = "load generator (child process)"
+
+
 # Process titles (or command-line pieces) -> the role shown in the CPU breakdown.
 _ROLES = (
     ("VLLM::Worker", "vllm forward (VLLM::Worker)"),
@@ -247,6 +253,7 @@ _ROLES = (
     ("ServeReplica:bench:Direct", "direct replica (vLLM frontend + HTTP)"),
     ("ProxyActor", "Serve HTTP proxy"),
     ("ServeController", "Serve controller"),
+    ("loadtests load generator", LOAD_CHILD_ROLE),
     ("loadtests.", "load generator (this process)"),
     # The rest of Ray, split so that "other" is only what is not ours.
     ("raylet", "Ray raylet"),
@@ -267,6 +274,15 @@ _ROLES = (
 # measured), the roles of plain vLLM's processes (its own process group) carry this
 # prefix: our worker's engine processes have the same titles.
 PLAIN_VLLM_PREFIX = "plain vllm: "
+
+
+def is_ray_side_role(role: str) -> bool:
+    """Whether ``role`` (a key of :func:`_cpu_by_role` with plain vLLM's group split off) is
+    one of our app's or Ray's processes: not plain vLLM's, not the load generator's, not
+    "other"."""
+    return not role.startswith(PLAIN_VLLM_PREFIX) and role not in (
+        "other", "load generator (this process)", LOAD_CHILD_ROLE
+    )
 
 
 def _cpu_by_role(vllm_pgid: Optional[int] = None) -> dict[str, float]:
@@ -292,6 +308,49 @@ def _cpu_by_role(vllm_pgid: Optional[int] = None) -> dict[str, float]:
     return out
 
 
+def _level_child_main() -> None:
+    """The child of :func:`run_level_in_child`: reads the level's arguments (JSON) from
+    stdin, runs it, writes ``{"level": ..., "cpu_s": ...}`` or ``{"error": ...}`` (JSON) to
+    stdout."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("loadtests load generator")
+    except ImportError:
+        pass
+    load = json.load(sys.stdin)
+    started = time.process_time()
+    try:
+        out = {"level": asyncio.run(run_level(**load)), "cpu_s": time.process_time() - started}
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out = {"error": repr(e)}
+    json.dump(out, sys.stdout)
+
+
+def run_level_in_child(load: dict, timeout_s: float) -> tuple[dict, float]:
+    """``run_level(**load)`` in a fresh Python process (in its own session: no Ray in it,
+    and never frozen), and the CPU seconds it used. The ``--paired`` modes use it so that
+    the client is not this process, a Ray driver whose cluster is frozen under it half the
+    time. (Some of plain vLLM's slices had every stream arrive whole at its end, TTFT ≈
+    E2E and TPOT 0, with the load in this process; they still did from a child, with Ray
+    frozen and running: that is not the cause, and a probe of this process's event loop
+    with Ray frozen found no stall.)"""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from loadtests.compare_vllm import _level_child_main; _level_child_main()"],
+        input=json.dumps(load), capture_output=True, text=True, timeout=timeout_s, cwd=root, env=env,
+        start_new_session=True,
+    )
+    try:
+        out = json.loads(proc.stdout)
+    except ValueError:
+        raise RuntimeError(f"the load generator exited with {proc.returncode}: {proc.stderr[-2000:]}") from None
+    if "error" in out:
+        raise RuntimeError(f"the load generator failed: {out['error']}")
+    return out["level"], out["cpu_s"]
+
+
 def measure_level(
     base_url: str, system: str, rnd: int, c: int, args, label: str = "", vllm_pgid: Optional[int] = None
 ) -> dict:
@@ -304,14 +363,17 @@ def measure_level(
     # Per role: CPU seconds over the level, and per 1000 output tokens: where the two
     # cores go, ours against plain vLLM (processes that started or ended during the
     # level are not counted).
-    cpu_before = _cpu_by_role(vllm_pgid)
-    level = asyncio.run(
-        run_level(
-            base_url, MODEL_NAME, c, n, input_len=args.input_len, output_len=args.output_len,
-            vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
-            label=f"{system} c={c} r{rnd}", progress=False,
-        )
+    load = dict(
+        base_url=base_url, model=MODEL_NAME, concurrency=c, num_prompts=n, input_len=args.input_len,
+        output_len=args.output_len, vocab_size=args.vocab_size, warmup=min(c, 8), seed=args.seed + c,
+        label=f"{system} c={c} r{rnd}", progress=False,
     )
+    in_child = getattr(args, "load_in_child", False)
+    cpu_before = _cpu_by_role(vllm_pgid)
+    if in_child:
+        level, load_cpu_s = run_level_in_child(load, args.level_timeout_s)
+    else:
+        level = asyncio.run(run_level(**load))
     cpu_after = _cpu_by_role(vllm_pgid)
     tokens = level.get("total_output_tokens") or 0
     cpu = {
@@ -319,6 +381,8 @@ def measure_level(
         for role in cpu_after
         if cpu_after[role] - cpu_before.get(role, 0.0) > 0.005
     }
+    if in_child:
+        cpu[LOAD_CHILD_ROLE] = round(load_cpu_s, 3)
     level.update(
         system=system, round=rnd, loadavg_before=before, loadavg_after=_loadavg(),
         cpu_seconds_by_role=cpu,
@@ -386,7 +450,7 @@ def alternate(
 
 
 def paired(
-    ours: "OurApp", vllm_server: "VLLMServer", args, say, measure_fn=None
+    ours: "OurApp", vllm_server: "VLLMServer", args, say, measure_fn=None, ours_pids=None
 ) -> tuple[list[dict], list[dict], dict]:
     """``--paired N``: both systems started once (plain vLLM first, on ``args.port + 1``;
     ours on ``args.port``), each frozen (``loadtests.paired.Freezer``) except while it is
@@ -394,8 +458,9 @@ def paired(
     to back, the order flipped from one slice pair to the next. Returns the slices (levels
     with ``pair``, and ``frozen_cpu_s``: what the frozen system's processes used meanwhile,
     ~0 when the freeze held), the start-ups, and the freezes' process counts.
-    ``measure_fn``: :func:`measure_level` by default (a test's stand-in)."""
-    from loadtests.paired import Freezer, descendants, process_group
+    ``measure_fn``: :func:`measure_level` by default; ``ours_pids``: what to freeze of
+    ours, every process this one started but plain vLLM's by default (a test's stand-ins)."""
+    from loadtests.paired import Freezer, descendants, process_group, slice_schedule
 
     def on_sigterm(*_):
         raise KeyboardInterrupt()
@@ -416,38 +481,30 @@ def paired(
         startups.append({"system": "ours", "round": 0, "startup_s": round(ours.start(args.start_timeout_s), 1)})
         # Everything this process started (Ray's processes, Serve's replicas, their
         # engines, HAProxy) but plain vLLM's group.
-        freezers["ours"] = Freezer("ours", lambda: descendants([pgid]))
+        freezers["ours"] = Freezer("ours", ours_pids or (lambda: descendants([pgid])))
         frozen_counts["ours"].append(freezers["ours"].freeze())
         def frozen_role(frozen: str, role: str) -> bool:
             """Whether ``role`` is one of the ``frozen`` system's processes."""
-            if frozen == "vllm":
-                return role.startswith(PLAIN_VLLM_PREFIX)
-            return not role.startswith(PLAIN_VLLM_PREFIX) and role not in ("other", "load generator (this process)")
+            return role.startswith(PLAIN_VLLM_PREFIX) if frozen == "vllm" else is_ray_side_role(role)
 
-        k = 0
-        for pair in range(1, args.paired + 1):
-            for c in args.concurrency:
-                order = ("ours", "vllm") if k % 2 == 0 else ("vllm", "ours")
-                k += 1
-                for name in order:
-                    other = "vllm" if name == "ours" else "ours"
-                    freezers[name].thaw()
-                    try:
-                        time.sleep(args.settle_s)  # timers that came due while it was frozen
-                        level = (measure_fn or measure_level)(
-                            urls[name], name, pair, c, args, label=f"pair {pair}/{args.paired}", vllm_pgid=pgid
-                        )
-                    finally:
-                        frozen_counts[name].append(freezers[name].freeze())
-                    cpu = level.get("cpu_seconds_by_role", {})
-                    level["pair"] = pair
-                    level["frozen_cpu_s"] = round(sum(v for r, v in cpu.items() if frozen_role(other, r)), 3)
-                    # The measured system's share (the frozen one's is frozen_cpu_s).
-                    level["cpu_ms_per_1k_output_tokens"] = {
-                        r: v for r, v in level.get("cpu_ms_per_1k_output_tokens", {}).items()
-                        if not frozen_role(other, r)
-                    }
-                    slices.append(level)
+        for pair, c, name in slice_schedule(args.paired, args.concurrency, "ours", "vllm"):
+            other = "vllm" if name == "ours" else "ours"
+            freezers[name].thaw()
+            try:
+                time.sleep(args.settle_s)  # timers that came due while it was frozen
+                level = (measure_fn or measure_level)(
+                    urls[name], name, pair, c, args, label=f"pair {pair}/{args.paired}", vllm_pgid=pgid
+                )
+            finally:
+                frozen_counts[name].append(freezers[name].freeze())
+            cpu = level.get("cpu_seconds_by_role", {})
+            level["pair"] = pair
+            level["frozen_cpu_s"] = round(sum(v for r, v in cpu.items() if frozen_role(other, r)), 3)
+            # The measured system's share (the frozen one's is frozen_cpu_s).
+            level["cpu_ms_per_1k_output_tokens"] = {
+                r: v for r, v in level.get("cpu_ms_per_1k_output_tokens", {}).items() if not frozen_role(other, r)
+            }
+            slices.append(level)
     finally:
         for f in freezers.values():
             f.thaw()
@@ -459,10 +516,14 @@ def paired(
     return slices, startups, {n: sorted(set(v)) for n, v in frozen_counts.items()}
 
 
-def print_pairs(stats: dict, slices: list[dict], concurrencies: list[int]) -> None:
-    """``loadtests.paired.pair_stats``' table of output tokens/s, and the freeze's check."""
-    print("output tok/s, ours / plain vLLM per pair (each pair back to back, the other system frozen):")
-    print(f"{'c':>4}  {'pairs':>5}  {'ours med':>9}  {'vllm med':>9}  {'ratio med':>9}  {'90% interval':>14}  "
+def print_pairs(
+    stats: dict, slices: list[dict], concurrencies: list[int], a: str = "ours", b: str = "vllm",
+    title: str = "output tok/s, ours / plain vLLM per pair (each pair back to back, the other system frozen):",
+) -> None:
+    """``loadtests.paired.pair_stats``' table (systems ``a`` over ``b``), and the freeze's
+    check."""
+    print(title)
+    print(f"{'c':>4}  {'pairs':>5}  {a + ' med':>12}  {b + ' med':>12}  {'ratio med':>9}  {'90% interval':>14}  "
           f"{'>1':>5}  per pair")
     for c in concurrencies:
         r = stats.get(f"c{c}", {})
@@ -471,12 +532,13 @@ def print_pairs(stats: dict, slices: list[dict], concurrencies: list[int]) -> No
             continue
         lo, hi = r["interval"]
         print(
-            f"{c:>4}  {r['pairs']:>5}  {r['ours_median']:>9.1f}  {r['vllm_median']:>9.1f}  "
+            f"{c:>4}  {r['pairs']:>5}  {r[a + '_median']:>12.1f}  {r[b + '_median']:>12.1f}  "
             f"{r['median_ratio']:>9.2f}  {f'{lo:.2f}-{hi:.2f}':>14}  {r['share_above_1']:>5.2f}  "
             + " ".join(f"{x:.2f}" for x in r["ratios"])
         )
-    worst = max((s.get("frozen_cpu_s", 0.0) for s in slices), default=0.0)
-    print(f"most CPU a frozen system used during one of the other's slices: {worst:.3f} s")
+    if any("frozen_cpu_s" in s for s in slices):
+        worst = max(s.get("frozen_cpu_s", 0.0) for s in slices)
+        print(f"most CPU a frozen system used during one of the other's slices: {worst:.3f} s")
 
 
 def print_ratios(table: dict, concurrencies: list[int], a: str, b: str) -> None:
@@ -520,6 +582,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--start-timeout-s", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--level-timeout-s", type=float, default=600, help="--paired: the most one slice may take")
 
 
 def prepare(args) -> Path:
@@ -576,6 +639,7 @@ def main(argv=None) -> int:
     _say(f"vllm flags: {' '.join(flags)} (server log: {log_path})")
 
     if args.paired:
+        args.load_in_child = True  # see run_level_in_child
         try:
             slices, startups, frozen = paired(ours, vllm_server, args, _say)
         except KeyboardInterrupt:

@@ -21,7 +21,8 @@ import os
 import random
 import signal
 import statistics
-from typing import Callable, Iterable, Optional, Sequence
+import time
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 
 class Freezer:
@@ -38,8 +39,9 @@ class Freezer:
     def frozen(self) -> bool:
         return bool(self._stopped)
 
-    def freeze(self) -> int:
-        """Stop every process; the number stopped."""
+    def freeze(self, timeout_s: float = 2.0) -> int:
+        """Stop every process, and wait (up to ``timeout_s``) until each one is stopped:
+        the signal takes effect asynchronously. The number stopped."""
         self.thaw()
         stopped = []
         for pid in sorted(set(self._pids())):
@@ -51,6 +53,12 @@ class Freezer:
                 continue
             stopped.append(pid)
         self._stopped = stopped
+        deadline = time.monotonic() + timeout_s
+        waiting = list(stopped)
+        while waiting and time.monotonic() < deadline:
+            waiting = [pid for pid in waiting if not _is_stopped(pid)]
+            if waiting:
+                time.sleep(0.001)
         return len(stopped)
 
     def thaw(self) -> None:
@@ -60,6 +68,28 @@ class Freezer:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+def slice_schedule(pairs: int, concurrencies: Sequence[int], a: str, b: str) -> Iterator[tuple[int, int, str]]:
+    """``(pair, concurrency, system)`` of every slice: for each pair (1..``pairs``) and
+    concurrency, one slice of ``a`` and one of ``b`` back to back, the order flipped from
+    one such two to the next (so neither system always goes first after a level change)."""
+    k = 0
+    for pair in range(1, pairs + 1):
+        for c in concurrencies:
+            for name in (a, b) if k % 2 == 0 else (b, a):
+                yield pair, c, name
+            k += 1
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (or gone): its state in /proc/PID/stat is ``T``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
 
 
 def descendants(exclude_pgids: Sequence[int] = ()) -> list[int]:

@@ -449,3 +449,19 @@ async def test_run_level_connection_refused_is_failure():
                           progress=False, timeout_s=5)
     assert res["completed"] == 0 and res["failed"] == 3
     assert res["errors"] and "Connect" in res["errors"][0]
+
+
+@pytest.mark.asyncio
+async def test_run_level_in_a_child_process(fake_server):
+    """compare_vllm.run_level_in_child (the --paired modes' load generator): the same
+    level from a spawned process, its CPU seconds, and a failure raised here."""
+    from loadtests.compare_vllm import run_level_in_child
+
+    load = dict(base_url=fake_server.base_url, model="fake-model", concurrency=2, num_prompts=6,
+                input_len=8, output_len=5, vocab_size=50, seed=5, progress=False)
+    level, cpu_s = await asyncio.to_thread(run_level_in_child, load, 120)
+    assert level["completed"] == 6 and level["failed"] == 0 and level["total_output_tokens"] == 30
+    assert len(fake_server.payloads) == 6 and fake_server.max_in_flight == 2
+    assert 0 < cpu_s < 60
+    with pytest.raises(RuntimeError, match="num_prompts"):
+        await asyncio.to_thread(run_level_in_child, {**load, "num_prompts": 0}, 120)

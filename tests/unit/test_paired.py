@@ -19,6 +19,7 @@ from loadtests.paired import (  # noqa: E402
     descendants,
     pair_stats,
     process_group,
+    slice_schedule,
 )
 
 psutil = pytest.importorskip("psutil")
@@ -46,6 +47,14 @@ def test_pair_stats_ratio_per_pair_and_medians():
     lo, hi = c8["interval"]
     assert 0.7 <= lo <= 0.9 <= hi <= 1.2
     assert stats["c1"] == {"pairs": 0, "incomplete_pairs": 1, "ratios": []}
+
+
+def test_slice_schedule_flips_the_order_every_two_slices():
+    assert list(slice_schedule(2, [1, 8, 32], "a", "b")) == [
+        (1, 1, "a"), (1, 1, "b"), (1, 8, "b"), (1, 8, "a"), (1, 32, "a"), (1, 32, "b"),
+        (2, 1, "b"), (2, 1, "a"), (2, 8, "a"), (2, 8, "b"), (2, 32, "b"), (2, 32, "a"),
+    ]
+    assert list(slice_schedule(0, [1], "a", "b")) == []
 
 
 def test_bootstrap_interval_of_the_median():
@@ -83,8 +92,7 @@ def test_freezer_stops_and_continues_the_processes_it_names():
     try:
         freezer = Freezer("test", lambda: [a.pid])
         assert freezer.freeze() == 1 and freezer.frozen
-        time.sleep(0.2)
-        assert _status(a) == psutil.STATUS_STOPPED
+        assert _status(a) == psutil.STATUS_STOPPED  # freeze() returns once it took effect
         assert _status(b) != psutil.STATUS_STOPPED
         used = _cpu(a)
         time.sleep(0.5)
@@ -182,7 +190,9 @@ def test_paired_measures_each_system_with_the_other_frozen_then_stops_both(keep_
                 "cpu_seconds_by_role": {}, "cpu_ms_per_1k_output_tokens": {}}
 
     args = SimpleNamespace(paired=2, concurrency=[1, 8], start_timeout_s=10, settle_s=0.0)
-    slices, startups, frozen = paired(ours, vllm, args, lambda msg: None, measure_fn=measure)
+    slices, startups, frozen = paired(
+        ours, vllm, args, lambda msg: None, measure_fn=measure, ours_pids=lambda: [ours.proc.pid]
+    )
     # Each slice: its own system running, the other stopped; the order flips every pair
     # of slices; the URL is the system's own port.
     assert [(n, p, c) for n, p, c, *_ in seen] == [
@@ -213,7 +223,52 @@ def test_paired_thaws_and_stops_both_when_a_slice_fails(keep_sigterm):
 
     args = SimpleNamespace(paired=1, concurrency=[1], start_timeout_s=10, settle_s=0.0)
     with pytest.raises(RuntimeError):
-        paired(ours, vllm, args, lambda msg: None, measure_fn=measure)
+        paired(ours, vllm, args, lambda msg: None, measure_fn=measure, ours_pids=lambda: [ours.proc.pid])
     assert procs and ours.stops == 1 and vllm.stops == 1
     assert all(p.poll() is not None for p in procs)
     assert ours.stopped_at_stop is False and vllm.stopped_at_stop is False  # thawed first
+
+
+def test_ray_background_paired_runs_vllm_with_ray_frozen_then_running(keep_sigterm):
+    from types import SimpleNamespace
+
+    from loadtests.ray_background import paired
+
+    class Beside:
+        """Stand-in for VLLMBesideRay: a "Ray" child of this process and a vLLM server in
+        its own session."""
+
+        def __init__(self):
+            self.ray = _Spinning(0, own_session=False)
+            self.vllm = _Spinning(8124, own_session=True)
+
+        def start(self, timeout_s):
+            self.ray.start(timeout_s)
+            self.vllm.start(timeout_s)
+            return 0.1
+
+        def stop(self):
+            self.vllm.stop()
+            self.ray.stop()
+
+    beside = Beside()
+    seen = []
+
+    def measure(url, name, pair, c, args, label="", vllm_pgid=None):
+        assert vllm_pgid == beside.vllm.proc.pid and url == "http://127.0.0.1:8124"
+        seen.append((name, pair, c, _status(beside.ray.proc) == psutil.STATUS_STOPPED,
+                     _status(beside.vllm.proc) == psutil.STATUS_STOPPED))
+        return {"system": name, "concurrency": c, "output_throughput": 1.0,
+                "cpu_seconds_by_role": {"Ray GCS": 0.5, "plain vllm: vllm API server": 2.0, "other": 1.0}}
+
+    args = SimpleNamespace(paired=2, concurrency=[1, 32], start_timeout_s=10, settle_s=0.0)
+    slices = paired(beside, "http://127.0.0.1:8124", args, measure_fn=measure, ray_pids=lambda: [beside.ray.proc.pid])
+    assert [(n, p, c) for n, p, c, *_ in seen] == [
+        ("beside_ray", 1, 1), ("alone", 1, 1), ("alone", 1, 32), ("beside_ray", 1, 32),
+        ("beside_ray", 2, 1), ("alone", 2, 1), ("alone", 2, 32), ("beside_ray", 2, 32),
+    ]
+    # Ray frozen exactly in the "alone" slices; vLLM never.
+    assert all(ray_stopped == (n == "alone") and not vllm_stopped for n, _, _, ray_stopped, vllm_stopped in seen)
+    assert [s["ray_cpu_s"] for s in slices] == [0.5] * 8  # Ray's roles only
+    assert beside.ray.stopped_at_stop is False and beside.vllm.stopped_at_stop is False
+    assert beside.ray.stops == 1 and beside.vllm.stops == 1

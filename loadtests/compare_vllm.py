@@ -483,6 +483,7 @@ def paired(
         # engines, HAProxy) but plain vLLM's group.
         freezers["ours"] = Freezer("ours", ours_pids or (lambda: descendants([pgid])))
         frozen_counts["ours"].append(freezers["ours"].freeze())
+
         def frozen_role(frozen: str, role: str) -> bool:
             """Whether ``role`` is one of the ``frozen`` system's processes."""
             return role.startswith(PLAIN_VLLM_PREFIX) if frozen == "vllm" else is_ray_side_role(role)

@@ -6,13 +6,15 @@ ran one load at 2.6k and 4.6k output tok/s in one run), and a comparison that st
 one system, measures it, stops it and starts the other puts a minute or two of start-up
 between the two halves of each pair. Here both start once; each slice is a few seconds,
 and the two slices of a pair are back to back, so the drift inside a pair is small and
-many pairs fit in a few minutes. The idle system is frozen, not merely idle: an idle
-Ray session still uses ~0.2 of a core (its controller, GCS, agents), which would be
-charged to the other system's slice; frozen, it takes none (the report says how much
+many pairs fit in a few minutes. The idle system is frozen, not merely idle: our idle
+app on Ray still uses ~0.13 of a core (Serve's controller, GCS, Ray's agents; measured
+in loadtests/README.md, "Paired slices"), which would be charged to the other system's
+slice; frozen, it takes none (the report says how much
 CPU each frozen side used during the other's slices, which checks that it was frozen).
 
-:class:`Freezer` stops and continues a set of processes; :func:`pair_stats` turns the
-slices' figures into per-pair ratios, their median and a bootstrap interval.
+:class:`Freezer` stops and continues a set of processes; :func:`slice_schedule` orders
+the slices; :func:`pair_stats` turns the slices' figures into per-pair ratios, their median
+and a bootstrap interval.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""loadtests/paired.py: the pairs' statistics (exact values on hand-made slices) and the
-freezer, on real child processes of this test."""
+"""loadtests/paired.py: the pairs' statistics (exact values on hand-made slices), the
+slices' order, and the freezer on real child processes of this test; then the paired runs
+of ``compare_vllm`` and ``ray_background`` with stand-in servers (busy child processes)."""
 
 from __future__ import annotations
 

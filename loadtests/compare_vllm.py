@@ -415,6 +415,16 @@ def ratios(levels: list[dict], concurrencies: list[int], a: str = "ours", b: str
     return out
 
 
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM ends this process's run as Ctrl-C does (KeyboardInterrupt), so
+    the benchmarks' ``finally`` blocks stop every server they started."""
+
+    def on_sigterm(*_):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def alternate(
     systems: list[tuple[str, Any]], base_url: str, args, say, measure_fn=None
 ) -> tuple[list[dict], list[dict]]:
@@ -425,10 +435,7 @@ def alternate(
     and each start's seconds. SIGTERM ends it like Ctrl-C (KeyboardInterrupt);
     every system is stopped either way."""
 
-    def on_sigterm(*_):
-        raise KeyboardInterrupt()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     levels: list[dict] = []
     startups: list[dict] = []
     try:
@@ -462,10 +469,7 @@ def paired(
     ours, every process this one started but plain vLLM's by default (a test's stand-ins)."""
     from loadtests.paired import Freezer, descendants, process_group, slice_schedule
 
-    def on_sigterm(*_):
-        raise KeyboardInterrupt()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    interrupt_on_sigterm()
     urls = {"ours": f"http://127.0.0.1:{ours.port}", "vllm": f"http://127.0.0.1:{vllm_server.port}"}
     freezers: dict[str, Freezer] = {}
     startups: list[dict] = []

@@ -91,14 +91,9 @@ def paired(beside: VLLMBesideRay, base_url: str, args, measure_fn=None, ray_pids
     slice, ~0 when frozen). Everything is thawed and stopped at the end. ``measure_fn``,
     ``ray_pids`` (what to freeze; every process this one started but vLLM's by default):
     a test's stand-ins."""
-    import signal
-
     from loadtests.paired import Freezer, descendants, slice_schedule
 
-    def on_sigterm(*_):
-        raise KeyboardInterrupt()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    cv.interrupt_on_sigterm()
     slices: list[dict] = []
     ray_freezer = None
     try:

@@ -78,11 +78,9 @@ def _forward_pids() -> set[int]:
 def _session_pids() -> set[int]:
     """This process and every descendant of the Ray processes it started (raylet, GCS and
     the workers, replicas and vLLM's processes under them)."""
-    me = psutil.Process()
-    pids = {me.pid}
-    for child in me.children(recursive=True):
-        pids.add(child.pid)
-    return pids
+    from loadtests.paired import descendants
+
+    return {os.getpid(), *descendants()}
 
 
 def _set_affinity(pids: set[int], cpus: set[int]) -> int:

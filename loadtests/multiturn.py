@@ -304,7 +304,8 @@ def main(argv=None) -> int:
         kv_redis_url = kv_server.url if kv_server is not None else None
         from app.builder import use_serve_process_env
 
-        use_serve_process_env(args.ingress)  # as app.cli does
+        args.ingress = use_serve_process_env(args.ingress)  # as app.cli does ("auto" resolved)
+        print(f"[multiturn] ingress: {args.ingress}", file=sys.stderr, flush=True)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         for rnd in range(args.rounds):
             for kv_reuse, l1, direct, all_modes in (

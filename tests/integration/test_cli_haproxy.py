@@ -1,6 +1,6 @@
-"""The README's run command with ``--ingress haproxy``: ``python -m app.cli run`` in a
-subprocess, on the project's own ``serve_config.yaml`` (tiny model, torch engine, embedded
-Redis on free ports), with HAProxy instead of Serve's Python proxy on the HTTP port.
+"""The README's run command: ``python -m app.cli run`` in a subprocess, on the project's
+own ``serve_config.yaml`` (tiny model, torch engine, embedded Redis on free ports), whose
+default ingress (``auto``) puts HAProxy on the HTTP port where it can start, as here.
 
 HAProxy is shown to be in the path (its stats page answers, on a port given here); then a
 streamed chat, OpenAI errors, a session turn and /ready go through it; Ctrl-C stops every
@@ -34,6 +34,8 @@ def cli_haproxy():
     http_port, stats_port, metrics_port = free_port(), free_port(), free_port()
     doc = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
     doc["http_options"]["port"] = http_port
+    if doc.get("grpc_options"):
+        doc["grpc_options"]["port"] = free_port()
     args = doc["applications"][0]["args"]
     args["model"]["path"] = str(get_model_path("tiny"))
     dp = args["dataplane"]
@@ -53,7 +55,7 @@ def cli_haproxy():
     )
     log = open(Path(tmp) / "cli.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "run", "--ingress", "haproxy", "--config", str(config),
+        [sys.executable, "-m", "app.cli", "run", "--config", str(config),
          "--state-dir", str(Path(tmp) / "state"), "--num-cpus", "8", "--ready-timeout-s", "300"],
         cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -69,14 +71,21 @@ def cli_haproxy():
         yield proc, base, stats_port, output
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # Ctrl-C first: Ray stops its HAProxy, which a SIGKILL of the CLI's group
+            # would leave holding the ports (HAProxy is not in that group).
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_the_cli_serves_through_haproxy_and_stops_on_ctrl_c(cli_haproxy):
+def test_the_cli_serves_through_haproxy_by_default_and_stops_on_ctrl_c(cli_haproxy):
     proc, base, stats_port, output = cli_haproxy
+    assert f"ingress: HAProxy (its stats on :{stats_port}" in output()
     with httpx.Client(base_url=base, timeout=120) as c:
         # HAProxy holds the port: its stats page (a port of its own) lists the frontend.
         stats = httpx.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10)

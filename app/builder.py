@@ -83,7 +83,8 @@ SERVE_PROCESS_ENV = {
 #   within a second, so it sets 2 s (a Ctrl-C of `llm-serve run` then takes ~7 s).
 # * ``serve-proxy``: Serve's Python proxy actor, which streams from the ingress replica
 #   over SERVE_PROCESS_ENV's gRPC transport. What `serve run` starts unless
-#   RAY_SERVE_ENABLE_HA_PROXY=1 is set where Ray starts; the test suite's own Ray.
+#   RAY_SERVE_ENABLE_HA_PROXY=1 is set where Ray starts (scripts/test.sh runs the API
+#   modules behind it a second time).
 # * ``auto`` (the CLI's default): ``haproxy`` where it can start (a binary, its two ports
 #   free), else ``serve-proxy``, saying why (resolve_ingress).
 INGRESS_MODES = ("serve-proxy", "haproxy")
@@ -97,6 +98,8 @@ HAPROXY_PORT_VARS = {
     "stats": "RAY_SERVE_HAPROXY_STATS_PORT",
     "metrics": "RAY_SERVE_HAPROXY_METRICS_PORT",
 }
+
+
 def haproxy_ports() -> dict[str, int]:
     """HAProxy's stats and metrics ports as Serve will bind them: this environment's
     variables, else Serve's defaults."""

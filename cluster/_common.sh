@@ -11,8 +11,10 @@ export RAY_AUTH_MODE=token
 export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
 export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH:-2147483647}"
 # LLM_INGRESS=haproxy: Serve's HAProxy ingress takes the HTTP port instead of the Python
-# proxy (`llm-serve run --ingress haproxy`; app/builder.py:INGRESS_MODES). Every node's
-# `ray start` needs the same setting.
+# proxy (what `llm-serve run` takes where it can; app/builder.py:INGRESS_CHOICES). Every
+# node's `ray start` needs the same setting. Not the default here: several nodes on one
+# machine (tests/integration/test_multinode.py) would collide on HAProxy's stats and
+# metrics ports (RAY_SERVE_HAPROXY_STATS_PORT, RAY_SERVE_HAPROXY_METRICS_PORT move them).
 case "${LLM_INGRESS:-serve-proxy}" in
   serve-proxy) ;;
   haproxy) export RAY_SERVE_ENABLE_HA_PROXY=1 ;;

@@ -1,6 +1,6 @@
 """What running on Ray costs plain vLLM on this machine: the same ``vllm serve`` and load as
 ``compare_vllm``, alone and next to an idle Ray cluster with Serve (its controller, HTTP
-proxy, HAProxy ingress and one trivial deployment, as ``llm-serve run --ingress haproxy``
+proxy, HAProxy ingress and one trivial deployment, as ``llm-serve run`` by default
 starts them, without our app), alternated in each round.
 
     python -m loadtests.ray_background [--rounds 2] [--concurrency 1,8,32] [--out FILE.json]
@@ -61,7 +61,7 @@ class VLLMBesideRay:
         from app.builder import use_serve_process_env
 
         started = time.monotonic()
-        use_serve_process_env("haproxy")  # as `llm-serve run --ingress haproxy`
+        use_serve_process_env("haproxy")  # as `llm-serve run` by default (where HAProxy can start)
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
         self.ray_up = True
         serve.start(http_options={"host": "127.0.0.1", "port": RAY_PORT})

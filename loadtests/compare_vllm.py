@@ -547,6 +547,14 @@ def print_pairs(
         print(f"most CPU a frozen system used during one of the other's slices: {worst:.3f} s")
 
 
+def median_ratios(stats: dict, concurrencies: list[int]) -> str:
+    """``loadtests.paired.pair_stats``' median ratio per concurrency with a complete pair,
+    on one line ("c=1 0.90, c=8 0.99")."""
+    return ", ".join(
+        f"c={c} {stats[f'c{c}']['median_ratio']:.2f}" for c in concurrencies if stats.get(f"c{c}", {}).get("pairs")
+    )
+
+
 def print_ratios(table: dict, concurrencies: list[int], a: str, b: str) -> None:
     """:func:`ratios`' table, a line per concurrency: output tokens/s and TTFT p50 of ``a``
     and ``b`` and a/b."""
@@ -662,9 +670,7 @@ def main(argv=None) -> int:
         }
         print(format_table(slices))
         print_pairs(stats, slices, args.concurrency)
-        print("TTFT p50, ours / plain vLLM, median of pairs: " + ", ".join(
-            f"c={c} {ttft[f'c{c}']['median_ratio']:.2f}" for c in args.concurrency if ttft.get(f"c{c}", {}).get("pairs")
-        ))
+        print("TTFT p50, ours / plain vLLM, median of pairs: " + median_ratios(ttft, args.concurrency))
         print(f"processes frozen per freeze: ours {frozen['ours']}, vllm {frozen['vllm']}")
         print_cpu_by_role(slices)
         _say(f"stored {write_report(args.out, result)}")

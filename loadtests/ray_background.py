@@ -156,9 +156,7 @@ def main(argv=None) -> int:
             stats, slices, args.concurrency, "beside_ray", "alone",
             title="vLLM's output tok/s beside a running idle Ray / with Ray frozen, per pair:",
         )
-        print("TTFT p50 beside / alone, median of pairs: " + ", ".join(
-            f"c={c} {ttft[f'c{c}']['median_ratio']:.2f}" for c in args.concurrency if ttft.get(f"c{c}", {}).get("pairs")
-        ))
+        print("TTFT p50 beside / alone, median of pairs: " + cv.median_ratios(ttft, args.concurrency))
         frozen_cpu = max((s["ray_cpu_s"] for s in slices if s["system"] == "alone"), default=0.0)
         print(f"most CPU Ray's processes used in an 'alone' slice (frozen): {frozen_cpu:.3f} s")
         cv.print_cpu_by_role(slices)

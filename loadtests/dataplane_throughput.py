@@ -19,7 +19,12 @@ timed; the median round trip of the data-plane call each load makes first is
 reported as ``get_l3_call_ms_median``, and the same reads by the worker's reader alone,
 without those calls, as ``get_l3_reader_alone``) and as the data plane reads it (its
 MGET and copy into the object store, ``direct_l3_reads`` off); and ``get_blocks_packed`` from L2 (the bytes copied into the
-reply) for comparison. On one
+reply) for comparison. The connector sends its calls straight to the owner replica's
+actor (``dataplane.direct_calls``); the put and the L3 read are also measured with every
+call through the Serve handle (``put_through_serve``, ``get_l3_through_serve``: the form
+before 2026-12-06's sixteenth session), before ours in odd rounds and after them in even
+ones; and the calls alone, both ways (``calls_per_s_*``: ``get_block_refs`` answered
+without a Redis read, 4 and 16 in flight). On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
 Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the redis-server
@@ -107,7 +112,7 @@ async def _timed(calls, concurrency: int, total_bytes: int):
     return total_bytes / (time.perf_counter() - start) / 1e9, results
 
 
-async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader) -> dict:
+async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader, strict_first: bool = False) -> dict:
     from deployments.dataplane.blocks import BlockChecks, block_arrays
     from deployments.dataplane.connector import DataPlaneKVConnector, resolve_block_refs
 
@@ -115,12 +120,17 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
     ]
     total = sum(len(b) for b in blocks)
+    # The worker's connector: its calls go straight to the owner replica's actor
+    # (dataplane.direct_calls). ``strict``: the same with every call through the Serve
+    # handle (the form before 2026-12-06, sixteenth session), for the put and the L3 read
+    # in the same round.
     connector = DataPlaneKVConnector(handle, 16, timeout_s=120, l3_reader=reader)
+    strict = DataPlaneKVConnector(handle, 16, timeout_s=120, l3_reader=reader, direct_calls=False)
 
     # As the worker's connector sends them (``DataPlaneKVConnector.put``): one copy
     # into the object store here, then the data plane keeps that object by reference.
-    def put(g):
-        return lambda: connector.put(tenant, g[0], g[1], chain_root=g[0][0])
+    def put(g, via=connector, tenant=tenant):
+        return lambda: via.put(tenant, g[0], g[1], chain_root=g[0][0])
 
     # The form before 2026-12-06, for comparison in the same round: one uint8 view per
     # block in the call (Ray copies them into its store), which the data plane then copied
@@ -138,7 +148,8 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     # As the worker's connector reads them: references into the data plane's object-store
     # copy, then mapped here (on this node, without a copy; across nodes Ray moves them).
     async def get_refs(g):
-        segments = await handle.get_block_refs.remote(tenant, g[0], shard_key=g[0][0])
+        # As the worker's connector calls (straight to the replica).
+        segments = await connector._call("get_block_refs", tenant, g[0], shard_key=g[0][0])
         return None if segments is None else await resolve_block_refs(segments)
 
     def get(g):
@@ -153,9 +164,18 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     # then has the data plane promote them into L2 a second later (PROMOTE_DELAY_S; not
     # waited for by the worker, and mostly after the timed reads).
 
-    def get_direct(g):
-        return lambda: connector.load(tenant, g[0])
+    def get_direct(g, via=connector):
+        return lambda: via.load(tenant, g[0])
 
+    async def put_strict():
+        # Its own tenant, written behind and flushed before the next phase.
+        gbps, stored = await _timed([put(g, strict, f"{tenant}-strict") for g in groups], concurrency, total)
+        assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
+        await write_behind_done(handle)
+        await flush_all(handle)
+        return gbps
+
+    put_strict_gbps = await put_strict() if strict_first else None
     put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total)
     assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
     # Right after the puts the replicas are still writing them behind to Redis, which
@@ -184,12 +204,25 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
             call_seconds.append(time.perf_counter() - started)
 
     connector._call = call
+
+    async def get_l3_strict():
+        gbps, got = await _timed([get_direct(g, strict) for g in groups], concurrency, total)
+        assert all(r is not None for r in got), "a block went missing from L3"
+        assert strict.direct_l3["fallbacks"] == 0, strict.direct_l3
+        await strict.drain()
+        await flush_all(handle)
+        return gbps
+
+    get_l3_strict_gbps = await get_l3_strict() if strict_first else None
     get_l3_gbps, got = await _timed([get_direct(g) for g in groups], concurrency, total)
     connector._call = timed_call
     assert all(r is not None for r in got), "a block went missing from L3"
     assert connector.direct_l3["fallbacks"] == 0, connector.direct_l3
+    assert connector.direct_calls["calls"] and not connector.direct_calls["fallbacks"], connector.direct_calls
     await connector.drain()  # the promotions they started (a second later), then none left
     await flush_all(handle)
+    if not strict_first:
+        get_l3_strict_gbps = await get_l3_strict()
 
     def read_alone(g):
         async def read():
@@ -207,17 +240,41 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     assert all(r is not None for r in got), "a block went missing from L3"
     del got
     await flush_all(handle)  # the next round starts from an empty L2
+    # The calls alone: get_block_refs of a prefix nothing holds (direct_l3: the answer
+    # is "in Redis", no Redis read), 4 and 16 in flight, straight and through Serve.
+    calls = {}
+    for in_flight in (concurrency, 4 * concurrency):
+        for name, via in ((("direct", connector), ("through_serve", strict))[::-1] if strict_first
+                          else (("direct", connector), ("through_serve", strict))):
+            calls[f"calls_per_s_{name}_{in_flight}"] = await calls_per_s(via, tenant, in_flight)
+    if not strict_first:  # the puts through Serve last in this round, first in the next
+        put_strict_gbps = await put_strict()
     return {
+        **calls,
         "put": put_gbps,
         "put_in_call": put_in_call_gbps,
+        "put_through_serve": put_strict_gbps,
         "get_l2": get_l2_gbps,
         "get_l3": get_l3_gbps,
+        "get_l3_through_serve": get_l3_strict_gbps,
         "get_l3_reader_alone": get_l3_reader_gbps,
         "get_l3_call_ms_median": 1000 * statistics.median(call_seconds),
         "get_l3_through_dataplane": get_l3_dataplane_gbps,
         "get_l2_during_write_behind": get_busy_gbps,
         "get_l2_packed": get_l2_packed_gbps,
     }
+
+
+async def calls_per_s(connector, tenant: str, in_flight: int, n: int = 400) -> float:
+    """Data-plane calls per second through ``connector`` (``get_block_refs`` of 64
+    hashes nothing holds, answered "in Redis" without reading it), ``in_flight`` at once."""
+    hashes = [f"calls-{i:026x}" for i in range(64)]
+
+    def call(i):
+        return lambda: connector._call("get_block_refs", tenant, hashes, shard_key=f"calls-{i}", direct_l3=True)
+
+    # _timed gives "bytes" / s / 1e9: n * 1e9 "bytes" make it calls per second.
+    return (await _timed([call(i) for i in range(n)], in_flight, n * 1e9))[0]
 
 
 async def flush_all(handle) -> None:
@@ -381,14 +438,14 @@ async def measure_worker_wait(handle, sizes: list[int], *, reader, repeats: int 
     return results
 
 
-async def with_reader(cfg, fn, *args):
-    """``fn(*args, reader=...)`` with a worker's reader of the blocks' Redis."""
+async def with_reader(cfg, fn, *args, **kwargs):
+    """``fn(*args, **kwargs, reader=...)`` with a worker's reader of the blocks' Redis."""
     from deployments.dataplane.redis_store import BlockReader
 
     dc = cfg.dataplane
     reader = BlockReader.from_config(dc.kv_redis or dc.redis)
     try:
-        return await fn(*args, reader=reader)
+        return await fn(*args, **kwargs, reader=reader)
     finally:
         await reader.close()
 
@@ -465,7 +522,9 @@ def main(argv=None) -> int:
             warm = rnd < args.warmup
             label = "warm-up" if warm else f"round {rnd - args.warmup + 1}"
             _say(f"{label}: data plane, {args.num_blocks} blocks of {value_size} bytes")
-            ours = asyncio.run(with_reader(cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, "bench"))
+            ours = asyncio.run(with_reader(
+                cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, "bench", strict_first=rnd % 2 == 1,
+            ))
             _say(f"{label}: redis-benchmark, same value size, one key and {args.num_blocks} keys")
             peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency)
             peer_keys = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency, args.num_blocks)
@@ -478,6 +537,8 @@ def main(argv=None) -> int:
                     ratios.update({
                         f"put_over_redis_set{suffix}": ours["put"] / ref["set"],
                         f"put_in_call_over_redis_set{suffix}": ours["put_in_call"] / ref["set"],
+                        f"put_through_serve_over_redis_set{suffix}": ours["put_through_serve"] / ref["set"],
+                        f"get_l3_through_serve_over_redis_get{suffix}": ours["get_l3_through_serve"] / ref["get"],
                         f"get_l3_over_redis_get{suffix}": ours["get_l3"] / ref["get"],
                         f"get_l3_reader_alone_over_redis_get{suffix}": ours["get_l3_reader_alone"] / ref["get"],
                         f"get_l3_through_dataplane_over_redis_get{suffix}": ours["get_l3_through_dataplane"] / ref["get"],
@@ -485,6 +546,13 @@ def main(argv=None) -> int:
                         f"get_l2_during_write_behind_over_redis_get{suffix}": ours["get_l2_during_write_behind"] / ref["get"],
                         f"get_l2_packed_over_redis_get{suffix}": ours["get_l2_packed"] / ref["get"],
                     })
+                # The same data plane's calls straight to replicas and through Serve, side by side.
+                ratios["put_over_put_through_serve"] = ours["put"] / ours["put_through_serve"]
+                ratios["get_l3_over_get_l3_through_serve"] = ours["get_l3"] / ours["get_l3_through_serve"]
+                for in_flight in (args.concurrency, 4 * args.concurrency):
+                    ratios[f"calls_per_s_direct_over_through_serve_{in_flight}"] = (
+                        ours[f"calls_per_s_direct_{in_flight}"] / ours[f"calls_per_s_through_serve_{in_flight}"]
+                    )
                 results.append({
                     "ours_gbps": ours,
                     "redis_benchmark_gbps": peer,

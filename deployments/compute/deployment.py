@@ -132,7 +132,9 @@ class ComputeWorker(DrainsOnStop):
 
                 # Its reply buffers come from the engine's KV arena (no page faults).
                 reader = BlockReader.from_config(dc.kv_redis or dc.redis, buffer=host_bytes)
-            kv_connector = DataPlaneKVConnector(dataplane, dc.block_size, l3_reader=reader)
+            kv_connector = DataPlaneKVConnector(
+                dataplane, dc.block_size, l3_reader=reader, direct_calls=None if dc.direct_calls else False
+            )
         self._kv_connector = kv_connector
         phase("connector")
         self._engine = (engine_factory or create_engine)(self._config, kv_connector=kv_connector)
@@ -218,6 +220,8 @@ class ComputeWorker(DrainsOnStop):
                 ("direct_l3_bytes", "Bytes of L3 blocks this worker read from Redis itself."),
                 ("lost_refs", "Prefix loads that found an L2 object's owner (the worker that put it) gone and read the blocks inline from the data plane instead."),
                 ("direct_l3_fallbacks", "Prefix loads whose L3 blocks the data plane read instead (Redis unreachable from the worker, a block gone or corrupt)."),
+                ("dataplane_direct_calls", "Data-plane calls sent straight to the replica that owns the key (dataplane.direct_calls)."),
+                ("dataplane_direct_fallbacks", "Data-plane calls sent straight to a replica that died or could not be reached, then made through Serve."),
             )
         }
         self._kv_reported: dict[str, int] = {}
@@ -396,6 +400,7 @@ class ComputeWorker(DrainsOnStop):
             "early_lookups_used": early.get("used", 0),
             "early_lookups_failed": early.get("failed", 0),
             "lost_refs": getattr(self._kv_connector, "lost_refs", 0),
+            **{f"dataplane_direct_{k}": v for k, v in getattr(self._kv_connector, "direct_calls", {}).items()},
             **{f"direct_l3_{k}": v for k, v in getattr(self._kv_connector, "direct_l3", {}).items()},
             "lookups": s.lookups,
             "arena_used_bytes": getattr(s, "arena_used_bytes", 0),

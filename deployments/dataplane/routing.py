@@ -115,6 +115,34 @@ def replica_actor_name(sibling_actor_name: str, replica: str) -> str:
     return f"{head}#{replica}"
 
 
+# The running replicas each KeyAffinityRequestRouter of this process last got from Serve,
+# by (app, deployment): a ring of their own over them and their Ray actors, for callers
+# that send calls to a key's owner themselves (``owner_actor``). Replaced whole on each
+# update, never changed in place.
+_running: dict[tuple[str, str], tuple[HashRing, dict[str, object]]] = {}
+
+
+def _registry() -> dict:
+    """This module's ``_running``, looked up by name: Serve hands a handle's router this
+    class pickled by value, whose functions then have globals of their own (a module-level
+    name in them would be a copy nobody else reads)."""
+    import importlib
+
+    return importlib.import_module(__name__)._running
+
+
+def owner_actor(app_name: str, deployment_name: str, shard_key: str):
+    """The Ray actor of the replica that owns ``shard_key``, as this process's request
+    router for that deployment last saw the replicas; None before it has seen any (a
+    handle's router is made on its first call) or where it could not name their actors."""
+    running = _registry().get((app_name, deployment_name))
+    if running is None:
+        return None
+    ring, actors = running
+    owner = ring.owner(str(shard_key))
+    return None if owner is None else actors.get(owner)
+
+
 class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
     """Serve request router: the replica that owns ``shard_key`` on the hash ring."""
 
@@ -126,7 +154,20 @@ class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
         # The ring spans every running replica, not only those with room right now, so
         # a key's owner does not move when a replica is briefly full.
         self._ring.set_nodes(replica_key(r.replica_id) for r in replicas)
+        self._publish(replicas)
         return result
+
+    def _publish(self, replicas) -> None:
+        deployment = getattr(self, "_deployment_id", None)
+        # The actor handle Serve keeps for each replica (RunningReplica._actor_handle).
+        actors = {replica_key(r.replica_id): getattr(r, "_actor_handle", None) for r in replicas}
+        if deployment is None:
+            return
+        key = (deployment.app_name, deployment.name)
+        if not actors or any(a is None for a in actors.values()):
+            _registry().pop(key, None)
+            return
+        _registry()[key] = (HashRing(actors, vnodes=self._ring.vnodes), actors)
 
     async def choose_replicas(
         self,

@@ -431,6 +431,33 @@ async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(datapl
     assert await conn.load(tenant, hashes) == blocks
 
 
+async def test_a_connectors_calls_go_straight_to_the_replica_that_owns_the_key(dataplane):  # noqa: F811
+    """A worker's KV calls go to the owner replica's actor itself (Serve's plain call,
+    without the caller's Serve router), on the ring Serve's router uses: the put lands
+    where the Serve handle's call for the same key finds it, and every read after it
+    comes back whole, from L2 and from L3."""
+    tenant = tenant_name()
+    hashes = [f"direct{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+    blocks = big_blocks(3, seed=33)
+
+    async def stats():
+        return await dataplane.stats.remote(shard_key=hashes[0])
+
+    await stats()  # this process's router has the replicas (as a worker's, after a call)
+    before = await stats()
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    assert await conn.put(tenant, hashes, blocks) == 3
+    after = await stats()
+    assert after["put_bytes_ref"] - before.get("put_bytes_ref", 0) == sum(len(b) for b in blocks)
+    assert (await conn.lookup(tenant, hashes)).tier == TIER_L2
+    assert await conn.load(tenant, hashes) == blocks
+    await dataplane.flush_l2.remote(shard_key=hashes[0])
+    assert (await conn.lookup(tenant, hashes)).tier == TIER_L3
+    assert await conn.load(tenant, hashes) == blocks
+    # The put, two lookups and the L3 load (the L2 load used its lookup's references).
+    assert conn.direct_calls == {"calls": 4, "fallbacks": 0}
+
+
 async def test_a_put_by_reference_from_another_node_is_copied_and_bad_ones_are_refused(dataplane):
     """From another node the data plane copies the object into one of its own (L2 must
     not pin the caller's node's memory); a reference that is not one, sizes that do not

@@ -115,3 +115,29 @@ def test_a_replicas_actor_name_from_a_siblings():
     for sibling, replica in (("no-hash", "zz99"), ("SERVE_REPLICA::llm#DataPlane#ab", ""), ("SERVE_REPLICA::a#b#c", "x#y")):
         with pytest.raises(ValueError):
             replica_actor_name(sibling, replica)
+
+
+def test_the_replicas_a_router_got_name_each_keys_owner_actor(monkeypatch):
+    """What direct data-plane calls use (DataPlaneKVConnector._call): the owner on the
+    same ring as the router's choice, with the actor Serve keeps for it; nothing before
+    the router got replicas, nor when one has no actor handle."""
+    from types import SimpleNamespace
+
+    from deployments.dataplane import routing
+
+    monkeypatch.setattr(routing, "_running", {})
+    router = SimpleNamespace(_ring=HashRing(vnodes=64), _deployment_id=SimpleNamespace(app_name="app", name="DataPlane"))
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n), _actor_handle=f"actor-{n}") for n in "abc"]
+    assert routing.owner_actor("app", "DataPlane", "k") is None
+    routing.KeyAffinityRequestRouter._publish(router, replicas)
+    ring = HashRing("abc", vnodes=64)
+    for key in KEYS[:50]:
+        assert routing.owner_actor("app", "DataPlane", key) == f"actor-{ring.owner(key)}"
+        assert _choose(ring, list("abc"), shard_key=key)[0] == [ring.owner(key)]
+    assert routing.owner_actor("other-app", "DataPlane", KEYS[0]) is None
+    # A replica gone: its keys' owners are the next ones, as the router's.
+    routing.KeyAffinityRequestRouter._publish(router, replicas[1:])
+    assert {routing.owner_actor("app", "DataPlane", k) for k in KEYS[:50]} == {"actor-b", "actor-c"}
+    replicas[1]._actor_handle = None
+    routing.KeyAffinityRequestRouter._publish(router, replicas[1:])
+    assert routing.owner_actor("app", "DataPlane", KEYS[0]) is None

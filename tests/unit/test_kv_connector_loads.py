@@ -131,12 +131,15 @@ def test_other_failures_to_map_the_blocks_stay_a_miss(monkeypatch):
 
 def test_saves_go_by_reference_only_through_a_serve_handle():
     # An in-process stand-in (tests, tools) gets the blocks in the call; a Serve handle
-    # gets a reference to one object the connector put (DataPlane.put_block_refs).
+    # gets a reference to one object the connector put (DataPlane.put_block_refs). Calls
+    # go straight to replicas by default only over a Serve handle too.
     from ray.serve.handle import DeploymentHandle
 
-    assert DataPlaneKVConnector(_Handle([], refs=None), block_size=16)._puts_by_ref is False
+    stand_in = DataPlaneKVConnector(_Handle([], refs=None), block_size=16)
+    assert (stand_in._puts_by_ref, stand_in._direct) == (False, False)
     handle = DeploymentHandle.__new__(DeploymentHandle)
-    assert DataPlaneKVConnector(handle, block_size=16)._puts_by_ref is True
+    assert (DataPlaneKVConnector(handle, block_size=16)._puts_by_ref, DataPlaneKVConnector(handle, block_size=16)._direct) == (True, True)
+    assert DataPlaneKVConnector(handle, block_size=16, direct_calls=False)._direct is False
 
 
 def test_forgotten_bandwidths_are_measured_again():
@@ -147,3 +150,101 @@ def test_forgotten_bandwidths_are_measured_again():
     assert conn.bandwidth_bytes_per_s(TIER_L3) is None and conn.bandwidth_bytes_per_s(TIER_L2) is None
     conn.record_fetch(TIER_L3, 22_294_260, 0.0173)
     assert conn.bandwidth_bytes_per_s(TIER_L3) > 1e9
+
+
+class _ServeLikeHandle(_Handle):
+    app_name = "app"
+    deployment_name = "DataPlane"
+
+
+class _Actor:
+    """A replica's actor stand-in: ``handle_request`` answers as ``answer`` says (an
+    exception is raised when awaited), recording the metadata it got."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.got = []
+
+        class _Entry:
+            @staticmethod
+            def remote(metadata, *args, **kwargs):
+                import pickle
+
+                self.got.append((pickle.loads(metadata), args, kwargs))
+
+                async def run():
+                    a = self.answer() if callable(self.answer) else self.answer
+                    if isinstance(a, BaseException):
+                        raise a
+                    return a
+
+                return run()
+
+        self.handle_request = _Entry()
+
+
+def _owner(monkeypatch, actor, seen: list):
+    def owner_actor(app, deployment, shard_key):
+        seen.append((app, deployment, shard_key))
+        return actor
+
+    monkeypatch.setattr(connector_mod, "owner_actor", owner_actor)
+
+
+def test_calls_go_straight_to_the_owner_replica_when_its_actor_is_known(monkeypatch):
+    actor, seen = _Actor(_inline(b"a", b"b")), []
+    _owner(monkeypatch, actor, seen)
+    handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
+    conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
+    assert [bytes(b) for b in asyncio.run(conn.load(TENANT, HASHES))] == [b"a", b"b"]
+    assert handle.get_block_refs.calls == 0
+    assert seen == [("app", "DataPlane", HASHES[0])]
+    metadata, args, kwargs = actor.got[0]
+    assert (metadata.call_method, metadata.app_name, args) == ("get_block_refs", "app", (TENANT, HASHES))
+    assert kwargs["shard_key"] == HASHES[0]
+    assert conn.direct_calls == {"calls": 1, "fallbacks": 0}
+
+
+def test_a_replica_that_died_under_a_direct_call_leaves_the_call_to_serve(monkeypatch):
+    import ray
+
+    actor, seen = _Actor(lambda: ray.exceptions.ActorDiedError()), []
+    _owner(monkeypatch, actor, seen)
+    handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
+    conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
+    assert [bytes(b) for b in asyncio.run(conn.load(TENANT, HASHES))] == [b"x", b"y"]
+    assert handle.get_block_refs.calls == 1
+    assert conn.direct_calls == {"calls": 0, "fallbacks": 1}
+
+
+def test_a_direct_calls_own_error_is_the_calls_not_served_again(monkeypatch):
+    # The replica raised (bad arguments, its own failure): Serve would get the same, so the
+    # load is a miss and nothing is sent twice.
+    actor, seen = _Actor(ValueError("bad hashes")), []
+    _owner(monkeypatch, actor, seen)
+    handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
+    conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
+    assert asyncio.run(conn.load(TENANT, HASHES)) is None
+    assert handle.get_block_refs.calls == 0 and conn.direct_calls == {"calls": 0, "fallbacks": 0}
+
+
+def test_without_the_owners_actor_or_with_direct_calls_off_calls_go_through_serve(monkeypatch):
+    actor, seen = _Actor(_inline(b"a", b"b")), []
+    _owner(monkeypatch, None, seen)
+    handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
+    assert [bytes(b) for b in asyncio.run(DataPlaneKVConnector(handle, block_size=16, direct_calls=True).load(TENANT, HASHES))] == [b"x", b"y"]
+    _owner(monkeypatch, actor, seen)
+    off = DataPlaneKVConnector(handle, block_size=16, direct_calls=False)
+    assert [bytes(b) for b in asyncio.run(off.load(TENANT, HASHES))] == [b"x", b"y"]
+    assert handle.get_block_refs.calls == 2 and actor.got == []
+
+
+def test_a_serve_without_the_entry_point_turns_direct_calls_off(monkeypatch):
+    actor, seen = _Actor(_inline(b"a", b"b")), []
+    del actor.handle_request
+    _owner(monkeypatch, actor, seen)
+    handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
+    conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
+    for _ in range(2):
+        assert [bytes(b) for b in asyncio.run(conn.load(TENANT, HASHES))] == [b"x", b"y"]
+    assert conn._direct is False and len(seen) == 1 and handle.get_block_refs.calls == 2

@@ -123,9 +123,10 @@ _running: dict[tuple[str, str], tuple[HashRing, dict[str, object]]] = {}
 
 
 def _registry() -> dict:
-    """This module's ``_running``, looked up by name: Serve hands a handle's router this
-    class pickled by value, whose functions then have globals of their own (a module-level
-    name in them would be a copy nobody else reads)."""
+    """This module's ``_running``, looked up through the module by name. Written as a
+    plain global, the request router Serve made for a handle filled a ``_running`` that
+    ``owner_actor`` never saw (a copy of this class unpickled by value carries globals
+    of its own); through the module both meet."""
     import importlib
 
     return importlib.import_module(__name__)._running

@@ -207,7 +207,8 @@ class DataPlaneKVConnector(KVConnector):
         bookkeeping, and the rejection round of Ray 2.60's calls (a streaming call whose
         first message accepts or rejects). That costs the caller 2-3.5 ms of CPU per call
         against ~1 for this (``loadtests.dataplane_calls``). Serve's internal protocol:
-        where it differs (another Ray) the first call fails and calls go through Serve."""
+        where the caller's side of it is missing (another Ray: no such actor method or
+        metadata class), sending fails at once and calls go through Serve from then on."""
         import pickle
         import uuid
 

@@ -91,6 +91,7 @@ def app_args(
     model_impl: str = "auto",
     kv_arena_bytes: Optional[int] = None,
     warmup_prefill_tokens: Optional[int] = None,
+    direct_calls: bool = True,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8, "model_impl": model_impl}
     if kv_arena_bytes is not None:
@@ -111,6 +112,7 @@ def app_args(
             "kv_reuse": kv_reuse,
             "num_replicas": 2,
             "direct_l3_reads": direct_l3_reads,
+            "direct_calls": direct_calls,
             "redis": {"url": redis_url},
             **({"kv_redis": {"url": kv_redis_url}} if kv_redis_url else {}),
         },
@@ -281,6 +283,10 @@ def main(argv=None) -> int:
         help="no unmeasured full-length conversation before the measured ones (each mode's first long "
         "prompts then grow a fresh worker's memory while measured)",
     )
+    p.add_argument(
+        "--no-direct-calls", dest="direct_calls", action="store_false",
+        help="dataplane.direct_calls off: the workers' KV calls go through the Serve handle (before 2026-12-06)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -324,6 +330,7 @@ def main(argv=None) -> int:
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
                         args.prefault_heap_bytes, args.log_level, args.with_worker, direct, args.model_impl,
                         kv_arena_bytes=args.kv_arena_bytes, warmup_prefill_tokens=args.warmup_prefill_tokens,
+                        direct_calls=args.direct_calls,
                     )),
                     name="bench",
                     route_prefix="/",

@@ -153,12 +153,16 @@ class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
     def update_replicas(self, replicas: List["RunningReplica"]):
         result = super().update_replicas(replicas)
         # The ring spans every running replica, not only those with room right now, so
-        # a key's owner does not move when a replica is briefly full.
-        self._ring.set_nodes(replica_key(r.replica_id) for r in replicas)
+        # a key's owner does not move when a replica is briefly full. A new ring, never
+        # one changed in place: _publish hands it to callers in other threads.
+        nodes = {replica_key(r.replica_id) for r in replicas}
+        if nodes != set(self._ring.nodes):
+            self._ring = HashRing(nodes, vnodes=self._ring.vnodes)
         self._publish(replicas)
         return result
 
     def _publish(self, replicas) -> None:
+        """This router's ring and the replicas' actors, for ``owner_actor``."""
         deployment = getattr(self, "_deployment_id", None)
         # The actor handle Serve keeps for each replica (RunningReplica._actor_handle).
         actors = {replica_key(r.replica_id): getattr(r, "_actor_handle", None) for r in replicas}
@@ -168,7 +172,7 @@ class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
         if not actors or any(a is None for a in actors.values()):
             _registry().pop(key, None)
             return
-        _registry()[key] = (HashRing(actors, vnodes=self._ring.vnodes), actors)
+        _registry()[key] = (self._ring, actors)
 
     async def choose_replicas(
         self,

@@ -126,18 +126,23 @@ def test_the_replicas_a_router_got_name_each_keys_owner_actor(monkeypatch):
     from deployments.dataplane import routing
 
     monkeypatch.setattr(routing, "_running", {})
-    router = SimpleNamespace(_ring=HashRing(vnodes=64), _deployment_id=SimpleNamespace(app_name="app", name="DataPlane"))
+    # The router's own update_replicas; Serve's bookkeeping in its base left out.
+    monkeypatch.setattr(routing.RequestRouter, "update_replicas", lambda self, replicas: None)
+    router = routing.KeyAffinityRequestRouter.__new__(routing.KeyAffinityRequestRouter)
+    router._deployment_id = SimpleNamespace(app_name="app", name="DataPlane")
+    router.initialize_state(vnodes=64)
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n), _actor_handle=f"actor-{n}") for n in "abc"]
+    update = router.update_replicas
     assert routing.owner_actor("app", "DataPlane", "k") is None
-    routing.KeyAffinityRequestRouter._publish(router, replicas)
+    update(replicas)
     ring = HashRing("abc", vnodes=64)
     for key in KEYS[:50]:
         assert routing.owner_actor("app", "DataPlane", key) == f"actor-{ring.owner(key)}"
         assert _choose(ring, list("abc"), shard_key=key)[0] == [ring.owner(key)]
     assert routing.owner_actor("other-app", "DataPlane", KEYS[0]) is None
     # A replica gone: its keys' owners are the next ones, as the router's.
-    routing.KeyAffinityRequestRouter._publish(router, replicas[1:])
+    update(replicas[1:])
     assert {routing.owner_actor("app", "DataPlane", k) for k in KEYS[:50]} == {"actor-b", "actor-c"}
     replicas[1]._actor_handle = None
-    routing.KeyAffinityRequestRouter._publish(router, replicas[1:])
+    update(replicas[1:])
     assert routing.owner_actor("app", "DataPlane", KEYS[0]) is None

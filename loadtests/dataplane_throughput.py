@@ -267,14 +267,16 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
 
 async def calls_per_s(connector, tenant: str, in_flight: int, n: int = 400) -> float:
     """Data-plane calls per second through ``connector`` (``get_block_refs`` of 64
-    hashes nothing holds, answered "in Redis" without reading it), ``in_flight`` at once."""
+    hashes nothing holds, answered "in Redis" without reading it), ``in_flight`` at once
+    (``loadtests.dataplane_calls.measure``)."""
+    from loadtests.dataplane_calls import measure
+
     hashes = [f"calls-{i:026x}" for i in range(64)]
 
     def call(i):
-        return lambda: connector._call("get_block_refs", tenant, hashes, shard_key=f"calls-{i}", direct_l3=True)
+        return connector._call("get_block_refs", tenant, hashes, shard_key=f"calls-{i}", direct_l3=True)
 
-    # _timed gives "bytes" / s / 1e9: n * 1e9 "bytes" make it calls per second.
-    return (await _timed([call(i) for i in range(n)], in_flight, n * 1e9))[0]
+    return (await measure(call, n, in_flight))["calls_per_s"]
 
 
 async def flush_all(handle) -> None:

@@ -23,6 +23,8 @@ class _Method:
         answer = self.answer(*args, **kwargs) if callable(self.answer) else self.answer
 
         async def run():
+            if isinstance(answer, BaseException):  # raised when awaited, as a Ray call's
+                raise answer
             return answer
 
         return run()
@@ -157,30 +159,20 @@ class _ServeLikeHandle(_Handle):
     deployment_name = "DataPlane"
 
 
-class _Actor:
-    """A replica's actor stand-in: ``handle_request`` answers as ``answer`` says (an
-    exception is raised when awaited), recording the metadata it got."""
+def _actor(answer):
+    """A replica's actor stand-in: ``handle_request`` answers ``answer`` (called if
+    callable; an exception is raised when awaited), and ``got`` records the metadata and
+    arguments of each call."""
+    import pickle
+    from types import SimpleNamespace
 
-    def __init__(self, answer):
-        self.answer = answer
-        self.got = []
+    got = []
 
-        class _Entry:
-            @staticmethod
-            def remote(metadata, *args, **kwargs):
-                import pickle
+    def handle_request(metadata, *args, **kwargs):
+        got.append((pickle.loads(metadata), args, kwargs))
+        return answer() if callable(answer) else answer
 
-                self.got.append((pickle.loads(metadata), args, kwargs))
-
-                async def run():
-                    a = self.answer() if callable(self.answer) else self.answer
-                    if isinstance(a, BaseException):
-                        raise a
-                    return a
-
-                return run()
-
-        self.handle_request = _Entry()
+    return SimpleNamespace(handle_request=_Method(handle_request), got=got)
 
 
 def _owner(monkeypatch, actor, seen: list):
@@ -192,7 +184,7 @@ def _owner(monkeypatch, actor, seen: list):
 
 
 def test_calls_go_straight_to_the_owner_replica_when_its_actor_is_known(monkeypatch):
-    actor, seen = _Actor(_inline(b"a", b"b")), []
+    actor, seen = _actor(_inline(b"a", b"b")), []
     _owner(monkeypatch, actor, seen)
     handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
     conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
@@ -208,7 +200,7 @@ def test_calls_go_straight_to_the_owner_replica_when_its_actor_is_known(monkeypa
 def test_a_replica_that_died_under_a_direct_call_leaves_the_call_to_serve(monkeypatch):
     import ray
 
-    actor, seen = _Actor(lambda: ray.exceptions.ActorDiedError()), []
+    actor, seen = _actor(lambda: ray.exceptions.ActorDiedError()), []
     _owner(monkeypatch, actor, seen)
     handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
     conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
@@ -220,7 +212,7 @@ def test_a_replica_that_died_under_a_direct_call_leaves_the_call_to_serve(monkey
 def test_a_direct_calls_own_error_is_the_calls_not_served_again(monkeypatch):
     # The replica raised (bad arguments, its own failure): Serve would get the same, so the
     # load is a miss and nothing is sent twice.
-    actor, seen = _Actor(ValueError("bad hashes")), []
+    actor, seen = _actor(ValueError("bad hashes")), []
     _owner(monkeypatch, actor, seen)
     handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
     conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
@@ -229,7 +221,7 @@ def test_a_direct_calls_own_error_is_the_calls_not_served_again(monkeypatch):
 
 
 def test_without_the_owners_actor_or_with_direct_calls_off_calls_go_through_serve(monkeypatch):
-    actor, seen = _Actor(_inline(b"a", b"b")), []
+    actor, seen = _actor(_inline(b"a", b"b")), []
     _owner(monkeypatch, None, seen)
     handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))
     assert [bytes(b) for b in asyncio.run(DataPlaneKVConnector(handle, block_size=16, direct_calls=True).load(TENANT, HASHES))] == [b"x", b"y"]
@@ -240,7 +232,7 @@ def test_without_the_owners_actor_or_with_direct_calls_off_calls_go_through_serv
 
 
 def test_a_serve_without_the_entry_point_turns_direct_calls_off(monkeypatch):
-    actor, seen = _Actor(_inline(b"a", b"b")), []
+    actor, seen = _actor(_inline(b"a", b"b")), []
     del actor.handle_request
     _owner(monkeypatch, actor, seen)
     handle = _ServeLikeHandle([], refs=_inline(b"x", b"y"))

@@ -768,6 +768,24 @@ class DataPlaneConfig(_Strict):
     sync_interval_ms: int = Field(
         default=200, ge=1, le=600_000, description="Write-behind period from L2 to Redis."
     )
+    write_behind_yield_ms: int = Field(
+        default=50,
+        ge=0,
+        le=60_000,
+        description="While blocks keep arriving at a replica (its last put less than this "
+        "many ms ago), its write-behind waits for the burst to end, so that the puts (and "
+        "the reads beside them) do not share the machine's CPU with the Redis writes of the "
+        "same bytes; never longer than write_behind_max_delay_ms for the first block still "
+        "unwritten, and not once L2 holds more than its low watermark (a dirty block "
+        "evicted is written on the put's path). Counted in "
+        "llm_dataplane_write_behind_deferred. 0: write behind every sync_interval_ms.",
+    )
+    write_behind_max_delay_ms: int = Field(
+        default=2000,
+        ge=1,
+        le=600_000,
+        description="The longest write_behind_yield_ms holds back a block's write to Redis.",
+    )
     kv_ttl_s: int = Field(default=86_400, ge=1, le=365 * 86_400, description="TTL of L3 blocks.")
     drain_timeout_s: float = Field(
         default=10.0,

@@ -211,6 +211,10 @@ class _Metrics:
             "llm_dataplane_promoted_blocks", "Blocks a worker read from Redis itself, then brought up to L2 on its word."
         )
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
+        self.write_behind_deferred = m.Counter(
+            "llm_dataplane_write_behind_deferred",
+            "Write-behind passes held back while blocks kept arriving (write_behind_yield_ms).",
+        )
         self.roots_published = m.Counter(
             "llm_dataplane_roots_published",
             "Chain roots (first block hashes) published to Redis for the routers' root index.",
@@ -342,6 +346,10 @@ class DataPlane(DrainsOnStop):
         self._m = _Metrics(enable_metrics)
         self._tracer = telemetry.tracer(__name__)
         self._counts: dict[str, int] = defaultdict(int)
+        # When blocks were last put, and when the oldest block not yet written behind was
+        # (about): the write-behind's yield to a burst of puts (_write_behind_due).
+        self._last_put_at = 0.0
+        self._dirty_since: Optional[float] = None
         # L2 keys brought up by prefetch() and not yet read (bounded by L2's own size:
         # entries of evicted keys are dropped on eviction).
         self._prefetched: set[str] = set()
@@ -960,7 +968,27 @@ class DataPlane(DrainsOnStop):
                 logger.exception("DataPlane: %s failed", what)
 
     def _write_behind_loop(self):
-        return self._kv_loop(self._cfg.sync_interval_ms, lambda: self._l2.dirty, self._write_dirty_blocks, "write-behind")
+        return self._kv_loop(self._cfg.sync_interval_ms, self._write_behind_due, self._write_dirty_blocks, "write-behind")
+
+    def _write_behind_due(self) -> bool:
+        """Whether the write-behind pass runs now: blocks are waiting and no burst of
+        puts holds it back (``write_behind_yield_ms``): on 2 cores the Redis writes of a
+        burst's blocks (this replica's sends and the server's work) took the CPU that the
+        burst's own puts and the reads beside them were waiting for."""
+        if not self._l2.dirty:
+            self._dirty_since = None
+            return False
+        cfg, now = self._cfg, time.monotonic()
+        if (
+            cfg.write_behind_yield_ms > 0
+            and now - self._last_put_at < cfg.write_behind_yield_ms / 1000
+            and now - (self._dirty_since if self._dirty_since is not None else now) < cfg.write_behind_max_delay_ms / 1000
+            and self._l2.used_bytes < cfg.low_watermark * cfg.l2_capacity_bytes
+        ):
+            self._counts["write_behind_deferred"] += 1
+            self._m.inc("write_behind_deferred")
+            return False
+        return True
 
     async def _write_blocks(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Write L2 blocks to the KV server. Those that L2 dropped while the write was
@@ -994,6 +1022,8 @@ class DataPlane(DrainsOnStop):
             self._l2.mark_clean(key, value)  # unless re-put meanwhile
         self._m.inc("written_behind", len(items))
         self._counts["written_behind"] += len(items)
+        # Blocks put while this pass wrote are now the oldest unwritten (about).
+        self._dirty_since = time.monotonic() if self._l2.dirty else None
         return len(items)
 
     def _note_root(self, tenant: str, root: str) -> None:
@@ -1102,6 +1132,11 @@ class DataPlane(DrainsOnStop):
                     continue
                 await self._put_l2(keys.block_key(tenant, h), b, dirty=True, group=group)
                 stored += 1
+            if stored:
+                # What the write-behind's yield goes by (_write_behind_due).
+                self._last_put_at = time.monotonic()
+                if self._dirty_since is None:
+                    self._dirty_since = self._last_put_at
             if stored:
                 # ``shard_key`` is the chain's root (connector.py), hashes[0] for a chain
                 # stored from its start.

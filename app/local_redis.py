@@ -74,6 +74,11 @@ class LocalRedis:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def pid(self) -> Optional[int]:
+        """The server's process id while it runs (benchmarks account its CPU)."""
+        return self._proc.pid if self.running else None
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / "redis.log"
 

@@ -726,6 +726,88 @@ def restart_with_memory_env(module: str, argv=None, say=None) -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **MEMORY_ENV})
 
 
+def _process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's (command line, CPU seconds: user + system) from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+        out[int(entry)] = (cmdline or comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_role(pid: int, cmdline: str) -> str:
+    """Which part of a data-plane benchmark a process is: ``this process`` (the
+    benchmark, doing a worker's part), ``redis``, ``data plane`` (its Serve replicas),
+    ``ray`` (raylet, GCS, Serve's controller and proxies, dashboard, agents) or ``other``
+    (the rest of the machine)."""
+    if pid == os.getpid():
+        return "this process"
+    if cmdline.startswith("redis-") or "/redis-server" in cmdline.split(" ", 1)[0]:
+        return "redis"
+    if "ServeReplica:" in cmdline and "DataPlane" in cmdline:
+        return "data plane"
+    if cmdline.startswith("ray::") or "/ray/" in cmdline or "/ray_" in cmdline or cmdline.startswith(("raylet", "gcs_server")):
+        return "ray"
+    return "other"
+
+
+class CpuMeter:
+    """CPU seconds every process on this machine spent between :meth:`start` and
+    :meth:`stop`, summed by :func:`cpu_role`, plus this process's children that exited
+    meanwhile (a ``redis-benchmark`` run: ``child``). On 2 cores shared by the client,
+    Redis, the data plane and Ray, throughput is bounded by the CPU each byte costs all
+    of them together: :meth:`per_gb` says where it goes. Linux only (``/proc``);
+    resolution is the kernel's clock tick (10 ms)."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, tuple[str, float]] = {}
+        self._children = 0.0
+        self.seconds: dict[str, float] = {}
+
+    @staticmethod
+    def _children_cpu() -> float:
+        t = os.times()
+        return t.children_user + t.children_system
+
+    def start(self) -> "CpuMeter":
+        self._before = _process_cpu()
+        self._children = self._children_cpu()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        after = _process_cpu()
+        seconds: dict[str, float] = {}
+        for pid, (cmdline, cpu) in after.items():
+            used = cpu - self._before.get(pid, (cmdline, 0.0))[1]
+            if used > 0:
+                role = cpu_role(pid, cmdline)
+                seconds[role] = seconds.get(role, 0.0) + used
+        child = self._children_cpu() - self._children
+        if child > 0:
+            seconds["child"] = child
+        self.seconds = seconds
+        return seconds
+
+    def per_gb(self, nbytes: int) -> dict[str, float]:
+        """CPU seconds per GB moved (``nbytes`` in the measured span), by role, and
+        their ``total``."""
+        gb = nbytes / 1e9
+        out = {role: s / gb for role, s in sorted(self.seconds.items())}
+        out["total"] = sum(self.seconds.values()) / gb
+        return out
+
+
 def write_report(path: str | os.PathLike, doc: dict) -> Path:
     """Write one comparison's report as JSON (parents created), replacing the file."""
     p = Path(path)

@@ -4,7 +4,7 @@ same machine; the bounds that limit it; and how long a worker waits for a prefix
     python -m loadtests.dataplane_throughput [--block-kib 256] [--num-blocks 2048]
         [--batch 64] [--concurrency 4] [--rounds 3] [--warmup 1] [--no-bounds]
         [--worker-blocks 8,32,128] [--kv-redis cache|shared]
-        [--prefault-object-store-bytes N] [--out FILE]
+        [--prefault-object-store-bytes N] [--write-behind-yield-ms MS] [--out FILE]
 
 Ours: a DataPlane deployment (2 replicas, with the app's Serve runtime settings) driven
 through its Serve handle, as a compute worker drives it (blocks travel through Ray's
@@ -37,6 +37,21 @@ they wrote before (``--kv-redis cache``, the default: their own cache server, no
 persistence, as ``serve_config.yaml`` deploys them; ``shared``: the sessions' AOF server),
 run right after ours in each round; the ratio is taken per round (the machine's speed
 drifts by tens of percent between minutes), and the median over rounds is reported.
+
+The put is timed until the data plane acknowledged every block (in L2; the replicas
+write them behind to Redis after the burst, ``dataplane.write_behind_yield_ms``), and
+again, under a tenant of its own at the end of each round, until every block's payload
+is in Redis (``put_until_written``, polled with EXISTS every 5 ms): the rate a data
+plane sustains once its write-behind cannot wait, to set beside redis-benchmark's SET
+too. ``--write-behind-yield-ms 0`` measures the write-behind running every
+``sync_interval_ms`` during the burst, as before 2026-12-06's seventeenth session.
+
+Where the CPU goes: on 2 cores shared by this process, Redis, the data plane and Ray,
+each rate is bounded by the CPU a byte costs all of them together. Each of ours' phases
+and each redis-benchmark test (then run one test at a time) reports the CPU seconds
+per GB moved of every process on the machine, by part (``this process``, ``redis``,
+``data plane``, ``ray``, ``other``; redis-benchmark itself is ``child``;
+``loadtests.benchmark.CpuMeter``): ``cpu_s_per_gb`` per round and their medians.
 
 A warm-up round (not counted) runs first: on this VM the first touch of fresh memory costs
 ~3 µs per 4 KiB page, so a cold first round measures page faults (redis-benchmark on one
@@ -71,6 +86,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from loadtests.benchmark import add_kv_redis_option, restart_with_memory_env, start_kv_redis, write_report
 
@@ -83,43 +99,68 @@ def _say(msg: str) -> None:
     print(f"[dp-throughput] {msg}", file=sys.stderr, flush=True)
 
 
-def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0, tests: str = "set,get") -> dict:
+def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0, tests: str = "set,get",
+                    *, server_pid: Optional[int] = None, cpu: Optional[dict] = None) -> dict:
     """GB/s of ``redis-benchmark -t set,get`` (or ``tests``): on one key (its default),
-    or with ``keyspace`` on random keys among that many (``-r``)."""
-    out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", tests,
-         "-d", str(size), "-n", str(n), "-c", str(clients), "-q"]
-        + (["-r", str(keyspace)] if keyspace else []),
-        capture_output=True, text=True, timeout=600, check=True,
-    ).stdout
+    or with ``keyspace`` on random keys among that many (``-r``). With ``cpu`` (and the
+    server's ``server_pid``), each test runs on its own and ``cpu[test]`` gets the CPU
+    seconds per GB of the server (``redis``), of redis-benchmark (``child``) and of the
+    rest of the machine (``CpuMeter``)."""
+    from loadtests.benchmark import CpuMeter
+
     rates = {}
-    for name, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", out.replace("\r", "\n")):
-        rates[name.lower()] = float(rps) * size / 1e9
+    for run in (tests.split(",") if cpu is not None else [tests]):
+        meter = CpuMeter().start() if cpu is not None else None
+        out = subprocess.run(
+            ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", run,
+             "-d", str(size), "-n", str(n), "-c", str(clients), "-q"]
+            + (["-r", str(keyspace)] if keyspace else []),
+            capture_output=True, text=True, timeout=600, check=True,
+        ).stdout
+        if meter is not None:
+            meter.stop()
+            cpu[run] = meter.per_gb(n * size)
+        for name, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", out.replace("\r", "\n")):
+            rates[name.lower()] = float(rps) * size / 1e9
     return rates
 
 
-async def _timed(calls, concurrency: int, total_bytes: int):
+async def _timed(calls, concurrency: int, total_bytes: int, *, cpu: Optional[dict] = None, name: str = ""):
     """Run the ``calls`` (coroutine factories) with ``concurrency`` in flight: GB/s and
-    results."""
+    results. With ``cpu``, ``cpu[name]`` gets the CPU seconds per GB that each part of
+    the machine spent meanwhile (``loadtests.benchmark.CpuMeter``)."""
+    from loadtests.benchmark import CpuMeter
+
     sem = asyncio.Semaphore(concurrency)
 
     async def one(call):
         async with sem:
             return await call()
 
+    meter = CpuMeter().start() if cpu is not None else None
     start = time.perf_counter()
     results = await asyncio.gather(*(one(c) for c in calls))
-    return total_bytes / (time.perf_counter() - start) / 1e9, results
+    seconds = time.perf_counter() - start
+    if meter is not None:
+        meter.stop()
+        cpu[name] = meter.per_gb(total_bytes)
+    return total_bytes / seconds / 1e9, results
 
 
-async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader, strict_first: bool = False) -> dict:
+async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant: str, *, reader, kv_url: str,
+                   strict_first: bool = False) -> dict:
+    import redis.asyncio as aioredis
+
     from deployments.dataplane.blocks import BlockChecks, block_arrays
     from deployments.dataplane.connector import DataPlaneKVConnector, resolve_block_refs
+    from loadtests.benchmark import CpuMeter
 
     groups = [
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
     ]
     total = sum(len(b) for b in blocks)
+    # CPU seconds per GB of each phase, by part of the machine (returned as "cpu").
+    cpu: dict = {}
     # The worker's connector: its calls go straight to the owner replica's actor
     # (dataplane.direct_calls). ``strict``: the same with every call through the Serve
     # handle (the form before 2026-12-06, sixteenth session), for the put and the L3 read
@@ -140,7 +181,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
             f"{tenant}-call", g[0], *block_arrays(g[1]), shard_key=g[0][0]
         )
 
-    put_in_call_gbps, stored = await _timed([put_in_call(g) for g in groups], concurrency, total)
+    put_in_call_gbps, stored = await _timed([put_in_call(g) for g in groups], concurrency, total, cpu=cpu, name="put_in_call")
     assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
     await write_behind_done(handle)
     await flush_all(handle)
@@ -169,14 +210,16 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
 
     async def put_strict():
         # Its own tenant, written behind and flushed before the next phase.
-        gbps, stored = await _timed([put(g, strict, f"{tenant}-strict") for g in groups], concurrency, total)
+        gbps, stored = await _timed(
+            [put(g, strict, f"{tenant}-strict") for g in groups], concurrency, total, cpu=cpu, name="put_through_serve"
+        )
         assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
         await write_behind_done(handle)
         await flush_all(handle)
         return gbps
 
     put_strict_gbps = await put_strict() if strict_first else None
-    put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total)
+    put_gbps, stored = await _timed([put(g) for g in groups], concurrency, total, cpu=cpu, name="put")
     assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
     # Right after the puts the replicas are still writing them behind to Redis, which
     # takes CPU from the reads (2 cores); redis-benchmark's GET phase runs with no writes
@@ -184,7 +227,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     get_busy_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
     await write_behind_done(handle)
-    get_l2_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
+    get_l2_gbps, got = await _timed([get(g) for g in groups], concurrency, total, cpu=cpu, name="get_l2")
     assert all(r is not None for r in got), "a block went missing from L2"
     get_l2_packed_gbps, got = await _timed([get_packed(g) for g in groups], concurrency, total)
     assert all(r is not None for r in got), "a block went missing from L2"
@@ -206,7 +249,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     connector._call = call
 
     async def get_l3_strict():
-        gbps, got = await _timed([get_direct(g, strict) for g in groups], concurrency, total)
+        gbps, got = await _timed([get_direct(g, strict) for g in groups], concurrency, total, cpu=cpu, name="get_l3_through_serve")
         assert all(r is not None for r in got), "a block went missing from L3"
         assert strict.direct_l3["fallbacks"] == 0, strict.direct_l3
         await strict.drain()
@@ -214,7 +257,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         return gbps
 
     get_l3_strict_gbps = await get_l3_strict() if strict_first else None
-    get_l3_gbps, got = await _timed([get_direct(g) for g in groups], concurrency, total)
+    get_l3_gbps, got = await _timed([get_direct(g) for g in groups], concurrency, total, cpu=cpu, name="get_l3")
     connector._call = timed_call
     assert all(r is not None for r in got), "a block went missing from L3"
     assert connector.direct_l3["fallbacks"] == 0, connector.direct_l3
@@ -231,12 +274,16 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
 
         return read
 
-    get_l3_reader_gbps, got = await _timed([read_alone(g) for g in groups], concurrency, total)
+    get_l3_reader_gbps, got = await _timed(
+        [read_alone(g) for g in groups], concurrency, total, cpu=cpu, name="get_l3_reader_alone"
+    )
     assert all(v is not None for r in got for v in r), "a block went missing from L3"
     await flush_all(handle)
     # The data plane's own read from Redis: an MGET, its copy into the object store,
     # mapped here (as with direct_l3_reads off, and as a fallback).
-    get_l3_dataplane_gbps, got = await _timed([get(g) for g in groups], concurrency, total)
+    get_l3_dataplane_gbps, got = await _timed(
+        [get(g) for g in groups], concurrency, total, cpu=cpu, name="get_l3_through_dataplane"
+    )
     assert all(r is not None for r in got), "a block went missing from L3"
     del got
     await flush_all(handle)  # the next round starts from an empty L2
@@ -247,13 +294,43 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         for name, via in ((("direct", connector), ("through_serve", strict))[::-1] if strict_first
                           else (("direct", connector), ("through_serve", strict))):
             calls[f"calls_per_s_{name}_{in_flight}"] = await calls_per_s(via, tenant, in_flight)
+    # The sustained rate: the same puts, timed until every block is in Redis (the
+    # replicas' write-behind done), which is what redis-benchmark's SET does. For one
+    # burst this includes the write-behind's wait (write_behind_yield_ms after the last
+    # put, then the next sync_interval_ms tick) as well as its writes. Done when Redis
+    # counted the SETs of every block (payload, then index entry; INFO commandstats,
+    # polled every 5 ms): the keys are last round's, so their values are replaced as in
+    # steady state (deleting them first made Redis fault fresh pages in for every write).
+    durable = f"{tenant}-durable"
+
+    async def sets_done(kv) -> int:
+        return int((await kv.info("commandstats")).get("cmdstat_set", {}).get("calls", 0))
+
+    kv = aioredis.Redis.from_url(kv_url)
+    try:
+        sets_before = await sets_done(kv)
+        meter = CpuMeter().start()
+        started = time.perf_counter()
+        _, stored = await _timed([put(g, connector, durable) for g in groups], concurrency, total)
+        assert sum(stored) == len(blocks), f"stored {sum(stored)} of {len(blocks)} blocks"
+        while await sets_done(kv) - sets_before < 2 * len(blocks):
+            await asyncio.sleep(0.005)
+        put_until_written_gbps = total / (time.perf_counter() - started) / 1e9
+        meter.stop()
+        cpu["put_until_written"] = meter.per_gb(total)
+    finally:
+        await kv.aclose()
+    await write_behind_done(handle)  # the index entries after the payloads
+    await flush_all(handle)
     if not strict_first:  # the puts through Serve last in this round, first in the next
         put_strict_gbps = await put_strict()
     return {
+        "cpu": cpu,
         **calls,
         "put": put_gbps,
         "put_in_call": put_in_call_gbps,
         "put_through_serve": put_strict_gbps,
+        "put_until_written": put_until_written_gbps,
         "get_l2": get_l2_gbps,
         "get_l3": get_l3_gbps,
         "get_l3_through_serve": get_l3_strict_gbps,
@@ -452,6 +529,18 @@ async def with_reader(cfg, fn, *args, **kwargs):
         await reader.close()
 
 
+def _cpu_medians(rounds: list[dict]) -> dict:
+    """The median over rounds of each phase's CPU seconds per GB, by part of the machine
+    (a part absent from a round counts as 0 there)."""
+    out: dict = {}
+    for side in rounds[0]:
+        out[side] = {}
+        for phase in rounds[0][side]:
+            roles = sorted({role for r in rounds for role in r[side].get(phase, {})})
+            out[side][phase] = {role: statistics.median(r[side].get(phase, {}).get(role, 0.0) for r in rounds) for role in roles}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.dataplane_throughput")
     p.add_argument("--block-kib", type=int, default=256)
@@ -470,6 +559,11 @@ def main(argv=None) -> int:
         "--prefault-object-store-bytes", type=int, default=None,
         help="serve_runtime.prefault_object_store_bytes of the data plane and this process, "
         "which stands in for a worker (default: the config's; 0 measures without it)",
+    )
+    p.add_argument(
+        "--write-behind-yield-ms", type=int, default=None,
+        help="dataplane.write_behind_yield_ms (default: the config's; 0: write behind every "
+        "sync_interval_ms even while puts arrive, as before 2026-12-06's seventeenth session)",
     )
     add_kv_redis_option(p)
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
@@ -499,6 +593,8 @@ def main(argv=None) -> int:
                      "l2_capacity_bytes": 4 * size * args.num_blocks}
         if redis is not sessions_redis:
             dataplane["kv_redis"] = {"url": redis.url}
+        if args.write_behind_yield_ms is not None:
+            dataplane["write_behind_yield_ms"] = args.write_behind_yield_ms
         _say(f"KV blocks on {'a cache' if args.kv_redis == 'cache' else 'the sessions AOF'} "
              f"redis-server ({redis.url})")
         runtime = {}
@@ -525,11 +621,19 @@ def main(argv=None) -> int:
             label = "warm-up" if warm else f"round {rnd - args.warmup + 1}"
             _say(f"{label}: data plane, {args.num_blocks} blocks of {value_size} bytes")
             ours = asyncio.run(with_reader(
-                cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, "bench", strict_first=rnd % 2 == 1,
+                cfg, run_ours, handle, blocks, hashes, args.batch, args.concurrency, "bench", kv_url=redis.url,
+                strict_first=rnd % 2 == 1,
             ))
+            cpu = {"ours": ours.pop("cpu"), "redis_benchmark": {}, "redis_benchmark_keyspace": {}}
             _say(f"{label}: redis-benchmark, same value size, one key and {args.num_blocks} keys")
-            peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency)
-            peer_keys = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency, args.num_blocks)
+            peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency,
+                                   server_pid=redis.pid, cpu=cpu["redis_benchmark"])
+            peer_keys = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency, args.num_blocks,
+                                        server_pid=redis.pid, cpu=cpu["redis_benchmark_keyspace"])
+            _say(f"{label}: CPU seconds per GB, " + "; ".join(
+                f"{phase} " + " ".join(f"{role} {v:.2f}" for role, v in roles.items())
+                for phase, roles in [*cpu["ours"].items(), *(("redis-benchmark " + t, r) for t, r in cpu["redis_benchmark_keyspace"].items())]
+            ))
             _say(f"{label}: ours {json.dumps({k: round(v, 3) for k, v in ours.items()})} "
                  f"redis-benchmark {json.dumps({k: round(v, 3) for k, v in peer.items()})}, "
                  f"-r {args.num_blocks} {json.dumps({k: round(v, 3) for k, v in peer_keys.items()})}")
@@ -538,6 +642,7 @@ def main(argv=None) -> int:
                 for suffix, ref in (("", peer), ("_keyspace", peer_keys)):
                     ratios.update({
                         f"put_over_redis_set{suffix}": ours["put"] / ref["set"],
+                        f"put_until_written_over_redis_set{suffix}": ours["put_until_written"] / ref["set"],
                         f"put_in_call_over_redis_set{suffix}": ours["put_in_call"] / ref["set"],
                         f"put_through_serve_over_redis_set{suffix}": ours["put_through_serve"] / ref["set"],
                         f"get_l3_through_serve_over_redis_get{suffix}": ours["get_l3_through_serve"] / ref["get"],
@@ -556,6 +661,7 @@ def main(argv=None) -> int:
                         ours[f"calls_per_s_direct_{in_flight}"] / ours[f"calls_per_s_through_serve_{in_flight}"]
                     )
                 results.append({
+                    "cpu_s_per_gb": cpu,
                     "ours_gbps": ours,
                     "redis_benchmark_gbps": peer,
                     "redis_benchmark_keyspace_gbps": peer_keys,
@@ -582,7 +688,8 @@ def main(argv=None) -> int:
         ray.shutdown()
 
     ratios = {k: statistics.median(r["ratios"][k] for r in results) for k in results[0]["ratios"]}
-    report = {"rounds": results, "ratios": ratios, "bounds_gbps": bounds, "worker_wait": worker}
+    cpu = _cpu_medians([r["cpu_s_per_gb"] for r in results])
+    report = {"rounds": results, "ratios": ratios, "cpu_s_per_gb": cpu, "bounds_gbps": bounds, "worker_wait": worker}
     print(json.dumps(report, indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), **report})}")
     return 0

@@ -465,3 +465,39 @@ async def test_run_level_in_a_child_process(fake_server):
     assert 0 < cpu_s < 60
     with pytest.raises(RuntimeError, match="num_prompts"):
         await asyncio.to_thread(run_level_in_child, {**load, "num_prompts": 0}, 120)
+
+
+def test_cpu_roles_of_a_data_plane_benchmarks_processes():
+    import os
+
+    from loadtests.benchmark import cpu_role
+
+    assert cpu_role(os.getpid(), "python -m loadtests.dataplane_throughput") == "this process"
+    assert cpu_role(1, "/usr/bin/redis-server 127.0.0.1:6379") == "redis"
+    assert cpu_role(1, "redis-aof-rewrite 127.0.0.1:6379") == "redis"
+    assert cpu_role(1, "ray::ServeReplica:dpbench:DataPlane") == "data plane"
+    assert cpu_role(1, "/x/site-packages/ray/core/src/ray/raylet/raylet --node") == "ray"
+    assert cpu_role(1, "ray::ServeController") == "ray"
+    assert cpu_role(1, "/usr/sbin/sshd -D") == "other"
+
+
+def test_cpu_meter_counts_this_process_and_children_that_exited():
+    """CPU spent here and by a child that ran and exited between start and stop, per
+    GB of the bytes given."""
+    import subprocess
+    import sys
+    import time
+
+    from loadtests.benchmark import CpuMeter
+
+    meter = CpuMeter().start()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"], check=True)
+    seconds = meter.stop()
+    assert seconds["this process"] >= 0.25
+    assert seconds["child"] >= 0.25
+    per_gb = meter.per_gb(500_000_000)
+    assert per_gb["this process"] == seconds["this process"] * 2
+    assert abs(per_gb["total"] - 2 * sum(seconds.values())) < 1e-9

@@ -40,9 +40,10 @@ drifts by tens of percent between minutes), and the median over rounds is report
 
 The put is timed until the data plane acknowledged every block (in L2; the replicas
 write them behind to Redis after the burst, ``dataplane.write_behind_yield_ms``), and
-again, under a tenant of its own at the end of each round, until every block's payload
-is in Redis (``put_until_written``, polled with EXISTS every 5 ms): the rate a data
-plane sustains once its write-behind cannot wait, to set beside redis-benchmark's SET
+again, under a tenant of its own at the end of each round, until every block is in Redis
+(``put_until_written``: Redis counted the SETs of every payload and index entry, INFO
+commandstats polled every 5 ms), which for one burst includes the write-behind's wait:
+the put with the Redis writes of the same bytes, to set beside redis-benchmark's SET
 too. ``--write-behind-yield-ms 0`` measures the write-behind running every
 ``sync_interval_ms`` during the burst, as before 2026-12-06's seventeenth session.
 
@@ -100,12 +101,12 @@ def _say(msg: str) -> None:
 
 
 def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 0, tests: str = "set,get",
-                    *, server_pid: Optional[int] = None, cpu: Optional[dict] = None) -> dict:
+                    *, cpu: Optional[dict] = None) -> dict:
     """GB/s of ``redis-benchmark -t set,get`` (or ``tests``): on one key (its default),
-    or with ``keyspace`` on random keys among that many (``-r``). With ``cpu`` (and the
-    server's ``server_pid``), each test runs on its own and ``cpu[test]`` gets the CPU
-    seconds per GB of the server (``redis``), of redis-benchmark (``child``) and of the
-    rest of the machine (``CpuMeter``)."""
+    or with ``keyspace`` on random keys among that many (``-r``). With ``cpu``, each test
+    runs on its own and ``cpu[test]`` gets the CPU seconds per GB of the Redis servers
+    (``redis``), of redis-benchmark (``child``) and of the rest of the machine
+    (``CpuMeter``)."""
     from loadtests.benchmark import CpuMeter
 
     rates = {}
@@ -320,7 +321,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         cpu["put_until_written"] = meter.per_gb(total)
     finally:
         await kv.aclose()
-    await write_behind_done(handle)  # the index entries after the payloads
+    await write_behind_done(handle)  # the replicas marked them written, before L2 is emptied
     await flush_all(handle)
     if not strict_first:  # the puts through Serve last in this round, first in the next
         put_strict_gbps = await put_strict()
@@ -627,9 +628,9 @@ def main(argv=None) -> int:
             cpu = {"ours": ours.pop("cpu"), "redis_benchmark": {}, "redis_benchmark_keyspace": {}}
             _say(f"{label}: redis-benchmark, same value size, one key and {args.num_blocks} keys")
             peer = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency,
-                                   server_pid=redis.pid, cpu=cpu["redis_benchmark"])
+                                   cpu=cpu["redis_benchmark"])
             peer_keys = redis_benchmark(redis.port, value_size, args.num_blocks * 2, args.concurrency, args.num_blocks,
-                                        server_pid=redis.pid, cpu=cpu["redis_benchmark_keyspace"])
+                                        cpu=cpu["redis_benchmark_keyspace"])
             _say(f"{label}: CPU seconds per GB, " + "; ".join(
                 f"{phase} " + " ".join(f"{role} {v:.2f}" for role, v in roles.items())
                 for phase, roles in [*cpu["ours"].items(), *(("redis-benchmark " + t, r) for t, r in cpu["redis_benchmark_keyspace"].items())]

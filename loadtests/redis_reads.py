@@ -75,7 +75,7 @@ async def one_server(setting: str, sizes: list[int], block_bytes: int, gap_s: fl
         with redis.Redis(port=server.port) as r:
             for i in range(num):
                 r.set(f"blk{i}", payload[i * block_bytes : (i + 1) * block_bytes].tobytes())
-        pid = server._proc.pid
+        pid = server.pid
         turns = []
         for n in sizes:
             await asyncio.sleep(gap_s)

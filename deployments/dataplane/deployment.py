@@ -1133,14 +1133,13 @@ class DataPlane(DrainsOnStop):
                 await self._put_l2(keys.block_key(tenant, h), b, dirty=True, group=group)
                 stored += 1
             if stored:
+                # ``shard_key`` is the chain's root (connector.py), hashes[0] for a chain
+                # stored from its start.
+                self._note_root(tenant, shard_key or hashes[0])
                 # What the write-behind's yield goes by (_write_behind_due).
                 self._last_put_at = time.monotonic()
                 if self._dirty_since is None:
                     self._dirty_since = self._last_put_at
-            if stored:
-                # ``shard_key`` is the chain's root (connector.py), hashes[0] for a chain
-                # stored from its start.
-                self._note_root(tenant, shard_key or hashes[0])
         self._m.observe("transfer_seconds", time.perf_counter() - started, tags={"op": "put", "tier": TIER_L2})
         self._counts["bytes_in"] += nbytes
         self._m.inc("bytes_in", nbytes)

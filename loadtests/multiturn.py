@@ -92,6 +92,7 @@ def app_args(
     kv_arena_bytes: Optional[int] = None,
     warmup_prefill_tokens: Optional[int] = None,
     direct_calls: bool = True,
+    write_behind_yield_ms: Optional[int] = None,
 ) -> dict:
     engine = {"name": "torch", "num_threads": num_threads, "max_num_seqs": 8, "model_impl": model_impl}
     if kv_arena_bytes is not None:
@@ -113,6 +114,7 @@ def app_args(
             "num_replicas": 2,
             "direct_l3_reads": direct_l3_reads,
             "direct_calls": direct_calls,
+            **({} if write_behind_yield_ms is None else {"write_behind_yield_ms": write_behind_yield_ms}),
             "redis": {"url": redis_url},
             **({"kv_redis": {"url": kv_redis_url}} if kv_redis_url else {}),
         },
@@ -287,6 +289,11 @@ def main(argv=None) -> int:
         "--no-direct-calls", dest="direct_calls", action="store_false",
         help="dataplane.direct_calls off: the workers' KV calls go through the Serve handle (before 2026-12-06)",
     )
+    p.add_argument(
+        "--write-behind-yield-ms", type=int, default=None,
+        help="dataplane.write_behind_yield_ms (default: the config's; 0: write-behind every "
+        "sync_interval_ms even while puts arrive, as before 2026-12-06's seventeenth session)",
+    )
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))
@@ -330,7 +337,7 @@ def main(argv=None) -> int:
                         model_path, redis.url, kv_reuse, args.num_threads, l1, args.keep_freed_memory, kv_redis_url,
                         args.prefault_heap_bytes, args.log_level, args.with_worker, direct, args.model_impl,
                         kv_arena_bytes=args.kv_arena_bytes, warmup_prefill_tokens=args.warmup_prefill_tokens,
-                        direct_calls=args.direct_calls,
+                        direct_calls=args.direct_calls, write_behind_yield_ms=args.write_behind_yield_ms,
                     )),
                     name="bench",
                     route_prefix="/",

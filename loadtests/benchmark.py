@@ -828,6 +828,16 @@ def add_kv_redis_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_write_behind_yield_option(parser: argparse.ArgumentParser) -> None:
+    """``--write-behind-yield-ms`` of the benchmarks that deploy a data plane
+    (``dataplane.write_behind_yield_ms``; None: the config's)."""
+    parser.add_argument(
+        "--write-behind-yield-ms", type=int, default=None,
+        help="dataplane.write_behind_yield_ms (default: the config's; 0: write behind every "
+        "sync_interval_ms even while puts arrive, as before 2026-12-06's seventeenth session)",
+    )
+
+
 def add_ingress_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:
     """``--ingress auto|serve-proxy|haproxy`` of the side-by-side benchmarks that start
     their own Ray: what takes the app's HTTP port, as ``llm-serve run --ingress`` (whose

@@ -89,7 +89,14 @@ import sys
 import time
 from typing import Optional
 
-from loadtests.benchmark import add_kv_redis_option, restart_with_memory_env, start_kv_redis, write_report
+from loadtests.benchmark import (
+    CpuMeter,
+    add_kv_redis_option,
+    add_write_behind_yield_option,
+    restart_with_memory_env,
+    start_kv_redis,
+    write_report,
+)
 
 # The small model's KV block (app/model_builder.py "small", block_size 16, fp32):
 # layers, kv, kv heads, tokens, head dim.
@@ -107,8 +114,6 @@ def redis_benchmark(port: int, size: int, n: int, clients: int, keyspace: int = 
     runs on its own and ``cpu[test]`` gets the CPU seconds per GB of the Redis servers
     (``redis``), of redis-benchmark (``child``) and of the rest of the machine
     (``CpuMeter``)."""
-    from loadtests.benchmark import CpuMeter
-
     rates = {}
     for run in (tests.split(",") if cpu is not None else [tests]):
         meter = CpuMeter().start() if cpu is not None else None
@@ -130,8 +135,6 @@ async def _timed(calls, concurrency: int, total_bytes: int, *, cpu: Optional[dic
     """Run the ``calls`` (coroutine factories) with ``concurrency`` in flight: GB/s and
     results. With ``cpu``, ``cpu[name]`` gets the CPU seconds per GB that each part of
     the machine spent meanwhile (``loadtests.benchmark.CpuMeter``)."""
-    from loadtests.benchmark import CpuMeter
-
     sem = asyncio.Semaphore(concurrency)
 
     async def one(call):
@@ -154,7 +157,6 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
 
     from deployments.dataplane.blocks import BlockChecks, block_arrays
     from deployments.dataplane.connector import DataPlaneKVConnector, resolve_block_refs
-    from loadtests.benchmark import CpuMeter
 
     groups = [
         (hashes[i : i + batch], blocks[i : i + batch]) for i in range(0, len(blocks), batch)
@@ -561,11 +563,7 @@ def main(argv=None) -> int:
         help="serve_runtime.prefault_object_store_bytes of the data plane and this process, "
         "which stands in for a worker (default: the config's; 0 measures without it)",
     )
-    p.add_argument(
-        "--write-behind-yield-ms", type=int, default=None,
-        help="dataplane.write_behind_yield_ms (default: the config's; 0: write behind every "
-        "sync_interval_ms even while puts arrive, as before 2026-12-06's seventeenth session)",
-    )
+    add_write_behind_yield_option(p)
     add_kv_redis_option(p)
     p.add_argument("--out", default="loadtests/results/dataplane_throughput.json")
     args = p.parse_args(argv)

@@ -59,7 +59,13 @@ from typing import Optional
 
 import httpx
 
-from loadtests.benchmark import add_ingress_option, add_kv_redis_option, start_kv_redis, write_report
+from loadtests.benchmark import (
+    add_ingress_option,
+    add_kv_redis_option,
+    add_write_behind_yield_option,
+    start_kv_redis,
+    write_report,
+)
 
 WORDS = (
     "river stone light garden window morning silver quiet harbor market letter bridge "
@@ -289,11 +295,7 @@ def main(argv=None) -> int:
         "--no-direct-calls", dest="direct_calls", action="store_false",
         help="dataplane.direct_calls off: the workers' KV calls go through the Serve handle (before 2026-12-06)",
     )
-    p.add_argument(
-        "--write-behind-yield-ms", type=int, default=None,
-        help="dataplane.write_behind_yield_ms (default: the config's; 0: write-behind every "
-        "sync_interval_ms even while puts arrive, as before 2026-12-06's seventeenth session)",
-    )
+    add_write_behind_yield_option(p)
     p.add_argument("--out", default="loadtests/results/multiturn.json")
     args = p.parse_args(argv)
     wanted = set(args.modes.split(","))

@@ -35,10 +35,53 @@ LATENCY_BUCKETS_S = [
 TOKEN_LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 
 
+# The deployments whose replicas take clients' requests: their access log is kept under
+# ``telemetry.access_log: ingress``.
+FRONT_DEPLOYMENTS = frozenset({"Ingress", "Server"})
+
+
+class _NoAccessLog(logging.Filter):
+    """Drops Ray Serve's access-log records (``serve_access_log`` in their ``extra``) on the
+    ``ray.serve`` logger, before any handler formats or writes them (Serve's own
+    ``enable_access_log: false`` filters them in its handlers, after the formatting, and as
+    a deployment option would also keep an application's ``logging_config`` from applying
+    to that deployment)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "serve_access_log", False)
+
+
+_NO_ACCESS_LOG = _NoAccessLog()
+
+
+def access_log_wanted(mode: str, deployment: Optional[str]) -> bool:
+    """Whether a replica of ``deployment`` (None: not in a Serve replica) writes Serve's
+    access log under ``telemetry.access_log`` ``mode``."""
+    if mode == "all":
+        return True
+    if mode == "none":
+        return False
+    return deployment is None or deployment in FRONT_DEPLOYMENTS
+
+
+def _replica_deployment() -> Optional[str]:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().deployment
+    except Exception:  # noqa: BLE001 - not in a Serve replica (a script, a test)
+        return None
+
+
 def setup(config: TelemetryConfig, service_name: str) -> None:
-    """Configure logging level and the tracer provider once per process."""
+    """Configure logging level, Serve's access log and the tracer provider once per process."""
     global _configured
-    logging.getLogger("ray.serve").setLevel(config.log_level)
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.setLevel(config.log_level)
+    if access_log_wanted(config.access_log, _replica_deployment()):
+        serve_logger.removeFilter(_NO_ACCESS_LOG)
+    else:
+        serve_logger.addFilter(_NO_ACCESS_LOG)  # once: addFilter skips a filter already there
     with _lock:
         if _configured:
             return

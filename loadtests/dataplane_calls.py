@@ -16,6 +16,9 @@ little work in the replica as a call can have. Forms, in a different order each 
   ``_enable_strict_max_ongoing_requests`` to False.
 * ``connector`` / ``connector_plain``: the same two through ``DataPlaneKVConnector._call``,
   the worker's code path (its timeout, its task).
+* ``connector_logged``: ``connector`` to a second DataPlane app whose replicas write Ray
+  Serve's access-log line for every call (``telemetry.access_log: all``, the form before
+  2026-12-06's eighteenth session; the app's own replicas drop it, ``ingress``).
 * ``actor``: the replicas' Ray actors called directly (``handle_request`` with Serve's
   request metadata, Serve's internal entry point for a non-streaming call), round robin:
   no Serve router in the caller at all. Not something the app does; the floor under the
@@ -25,7 +28,8 @@ little work in the replica as a call can have. Forms, in a different order each 
 on a loop of their own unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``, a worker's
 setting, is in the environment). The caller's CPU per call
 is this process's CPU time over the form's calls (all its threads: the router's loop,
-Ray's core worker). Ratios: each form's calls per second over ``serve``'s, per round, the
+Ray's core worker); the replicas' CPU per call is that of every DataPlane replica on the
+machine (both apps'; the idle app's background ticks count alike in every form). Ratios: each form's calls per second over ``serve``'s, per round, the
 median over rounds.
 """
 
@@ -40,9 +44,9 @@ import sys
 import time
 import uuid
 
-from loadtests.benchmark import write_report
+from loadtests.benchmark import CpuMeter, write_report
 
-FORMS = ("serve", "serve_plain", "connector", "connector_plain", "actor")
+FORMS = ("serve", "serve_plain", "connector", "connector_plain", "connector_logged", "actor")
 
 
 def _say(msg: str) -> None:
@@ -60,13 +64,16 @@ async def measure(call, n: int, in_flight: int) -> dict:
             await call(i)
             latencies.append(time.perf_counter() - started)
 
+    meter = CpuMeter().start()
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n)))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    replicas = meter.stop().get("data plane", 0.0)
     return {
         "calls_per_s": n / wall,
         "median_ms": 1000 * statistics.median(latencies),
         "caller_cpu_ms_per_call": 1000 * cpu / n,
+        "replica_cpu_ms_per_call": 1000 * replicas / n,
     }
 
 
@@ -101,6 +108,12 @@ def main(argv=None) -> int:
             with_serve_runtime(dataplane_deployment(cfg), cfg).bind(cfg.model_dump(mode="json")),
             name=app_name, route_prefix=None,
         )
+        # The same with Serve's access-log line written for every call, as before.
+        logged_cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.model_copy(update={"access_log": "all"})})
+        logged = serve.run(
+            with_serve_runtime(dataplane_deployment(logged_cfg), logged_cfg).bind(logged_cfg.model_dump(mode="json")),
+            name=f"{app_name}-logged", route_prefix=None,
+        )
         actors = [
             ray.get_actor(a["name"], namespace=a["namespace"])
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -113,6 +126,7 @@ def main(argv=None) -> int:
             plain._init_router()._asyncio_router._enable_strict_max_ongoing_requests = False
             via = {"connector": DataPlaneKVConnector(handle, 16, timeout_s=60)}
             via["connector_plain"] = DataPlaneKVConnector(plain, 16, timeout_s=60)
+            via["connector_logged"] = DataPlaneKVConnector(logged, 16, timeout_s=60)
 
             def by_handle(h):
                 return lambda i: h.get_block_refs.remote("t", hashes, shard_key=uuid.uuid4().hex, direct_l3=True)
@@ -131,7 +145,8 @@ def main(argv=None) -> int:
             calls = {
                 "serve": by_handle(handle), "serve_plain": by_handle(plain),
                 "connector": by_connector(via["connector"]),
-                "connector_plain": by_connector(via["connector_plain"]), "actor": by_actor,
+                "connector_plain": by_connector(via["connector_plain"]),
+                "connector_logged": by_connector(via["connector_logged"]), "actor": by_actor,
             }
             for name, call in calls.items():  # warm every path (routers, connections)
                 await measure(call, 50, 4)
@@ -144,7 +159,8 @@ def main(argv=None) -> int:
                     for name in order:
                         result[f"{name}/{level}"] = r = await measure(calls[name], args.calls, level)
                         _say(f"round {rnd + 1}, {level} in flight, {name:16s} {r['calls_per_s']:6.0f} calls/s, "
-                             f"median {r['median_ms']:6.2f} ms, caller CPU {r['caller_cpu_ms_per_call']:.2f} ms/call")
+                             f"median {r['median_ms']:6.2f} ms, caller CPU {r['caller_cpu_ms_per_call']:.2f} ms/call, "
+                             f"replicas' {r['replica_cpu_ms_per_call']:.2f}")
                 rounds.append(result)
             # Here, not after the loop closed: a router made on this loop (the worker's
             # setting, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) shuts down on it.
@@ -158,6 +174,11 @@ def main(argv=None) -> int:
             r[f"{name}/{level}"]["calls_per_s"] / r[f"serve/{level}"]["calls_per_s"] for r in rounds
         )
         for level in levels for name in FORMS if name != "serve"
+    } | {
+        f"connector_over_connector_logged/{level}": statistics.median(
+            r[f"connector/{level}"]["calls_per_s"] / r[f"connector_logged/{level}"]["calls_per_s"] for r in rounds
+        )
+        for level in levels
     }
     medians = {
         f"{name}/{level}": {k: statistics.median(r[f"{name}/{level}"][k] for r in rounds) for k in rounds[0][f"{name}/{level}"]}
@@ -165,7 +186,7 @@ def main(argv=None) -> int:
     }
     for key, m in medians.items():
         print(f"{key:22s} {m['calls_per_s']:6.0f} calls/s  median {m['median_ms']:6.2f} ms  "
-              f"caller CPU {m['caller_cpu_ms_per_call']:.2f} ms/call")
+              f"caller CPU {m['caller_cpu_ms_per_call']:.2f} ms/call  replicas' {m['replica_cpu_ms_per_call']:.2f}")
     print(json.dumps(ratios, indent=2))
     _say(f"stored {write_report(args.out, {'args': vars(args), 'rounds': rounds, 'medians': medians, 'ratios': ratios})}")
     return 0

@@ -682,3 +682,28 @@ def test_a_session_record_this_server_cannot_read_is_a_clear_500_and_deletes(ser
         unreadable(r, why)
         assert httpx.delete(f"{served_app.base_url}/v1/sessions/{sid}", timeout=30).status_code == 200
         assert get_session(served_app, sid).status_code == 404
+
+
+def test_only_the_ingress_writes_an_access_log_line_per_call(served_app):
+    """``telemetry.access_log: ingress`` (the default): a session turn takes several
+    data-plane calls and a worker call, and only the ingress's replica writes Serve's
+    access-log line for its request; the others' lines are dropped (app/telemetry.py)."""
+    import re
+
+    from tests.fixtures.serve_app import serve_logs_dir
+
+    sid = new_session(served_app)["id"]
+    turn(served_app.client(), served_app.model_id, sid, "which replicas log this?")
+    access = re.compile(r" -- (CALL \w+|POST /v1/chat/completions) (OK|ERROR|CANCELLED|\d{3}) ")
+
+    def lines_of(deployment: str) -> list[str]:
+        return [line for path in serve_logs_dir().glob(f"replica_llm_{deployment}_*.log")
+                for line in path.read_text(errors="replace").splitlines() if access.search(line)]
+
+    # The ingress's own line for the turn (the request's end is logged just after its reply).
+    wait_for(lambda: any("POST /v1/chat/completions 200" in line for line in lines_of("Ingress")), 10,
+             "the ingress's access-log line")
+    assert get_session(served_app, sid).json()["version"] == 1
+    for deployment in ("DataPlane", "ComputeWorker"):
+        assert list(serve_logs_dir().glob(f"replica_llm_{deployment}_*.log")), f"no {deployment} replica log"
+        assert lines_of(deployment) == [], f"{deployment} wrote access-log lines"

@@ -469,7 +469,7 @@ class DataPlane(DrainsOnStop):
                     "back nor handed to another replica and are lost: %s",
                     len(lost), ", ".join(f"{t}/{sid}" for t, sid in sorted(lost)[:20]),
                 )
-        outcome["lost_blocks"] = len(self._l2.dirty)
+        outcome["lost_blocks"] = self._l2.num_dirty
         if outcome["lost_blocks"]:
             # A cache: a later miss recomputes them.
             self._m.inc("dropped", outcome["lost_blocks"])
@@ -880,7 +880,7 @@ class DataPlane(DrainsOnStop):
                 await self._delete_due_blocks()
                 await self._write_dirty_blocks()
             left = (SESSIONS in roles and (self._deleted_sessions or self._dirty_sessions or self._pending_session_blocks)) or (
-                KV in roles and (self._blocks_to_delete or self._l2.dirty)
+                KV in roles and (self._blocks_to_delete or self._l2.num_dirty)
             )
             if not left:
                 self._set_degraded(server, False)
@@ -975,7 +975,7 @@ class DataPlane(DrainsOnStop):
         puts holds it back (``write_behind_yield_ms``): on 2 cores the Redis writes of a
         burst's blocks (this replica's sends and the server's work) took the CPU that the
         burst's own puts and the reads beside them were waiting for."""
-        if not self._l2.dirty:
+        if not self._l2.num_dirty:
             self._dirty_since = None
             return False
         cfg, now = self._cfg, time.monotonic()
@@ -1023,7 +1023,7 @@ class DataPlane(DrainsOnStop):
         self._m.inc("written_behind", len(items))
         self._counts["written_behind"] += len(items)
         # Blocks put while this pass wrote are now the oldest unwritten (about).
-        self._dirty_since = time.monotonic() if self._l2.dirty else None
+        self._dirty_since = time.monotonic() if self._l2.num_dirty else None
         return len(items)
 
     def _note_root(self, tenant: str, root: str) -> None:
@@ -1933,7 +1933,7 @@ class DataPlane(DrainsOnStop):
             "unsynced_sessions": len(self._dirty_sessions) + len(self._deleted_sessions),
             # Of those, copies of another replica's outage changes (back_up).
             "backup_sessions": len(self._backups),
-            "unsynced_blocks": len(self._l2.dirty) + sum(len(m) for m in self._blocks_to_delete.values()),
+            "unsynced_blocks": self._l2.num_dirty + sum(len(m) for m in self._blocks_to_delete.values()),
         }
 
     async def stats(self, shard_key: Optional[str] = None, exclude_replica: Optional[str] = None) -> dict:
@@ -1945,7 +1945,7 @@ class DataPlane(DrainsOnStop):
             "l2_used_bytes": self._l2.used_bytes,
             "l2_capacity_bytes": self._l2.capacity_bytes,
             "l2_num_blocks": len(self._l2),
-            "l2_dirty_blocks": len(self._l2.dirty),
+            "l2_dirty_blocks": self._l2.num_dirty,
             "l2_evictions": self._l2.num_evictions,
             "l2_held_bytes": self._l2.held_bytes,
             "object_store_prefaulted_bytes": self._prefault.bytes_done if self._prefault else 0,

@@ -125,8 +125,13 @@ class MemoryTier:
 
     @property
     def dirty(self) -> frozenset[str]:
-        """Keys whose values are not yet written to L3."""
+        """Keys whose values are not yet written to L3 (a copy)."""
         return frozenset(self._dirty)
+
+    @property
+    def num_dirty(self) -> int:
+        """How many keys are not yet written to L3, without :attr:`dirty`'s copy."""
+        return len(self._dirty)
 
     def get(self, key: str) -> Optional[bytes]:
         """The value, counted as a use (recency and frequency); None on a miss."""

@@ -97,9 +97,9 @@ def test_mark_clean_only_for_the_written_value():
     stored = items[0][1]
     t.put("a", val(10, b"2"), dirty=True)  # a newer write arrives while the first is in flight
     t.mark_clean("a", stored)
-    assert t.dirty == {"a"}  # the newer value still has to be written
+    assert t.dirty == {"a"} and t.num_dirty == 1  # the newer value still has to be written
     t.mark_clean("a", t.peek("a"))
-    assert t.dirty == frozenset()
+    assert t.dirty == frozenset() and t.num_dirty == 0
 
 
 def test_pinned_entries_are_never_evicted():

@@ -42,10 +42,10 @@ FRONT_DEPLOYMENTS = frozenset({"Ingress", "Server"})
 
 class _NoAccessLog(logging.Filter):
     """Drops Ray Serve's access-log records (``serve_access_log`` in their ``extra``) on the
-    ``ray.serve`` logger, before any handler formats or writes them (Serve's own
-    ``enable_access_log: false`` filters them in its handlers, after the formatting, and as
-    a deployment option would also keep an application's ``logging_config`` from applying
-    to that deployment)."""
+    ``ray.serve`` logger, before they reach any handler. (Serve's own
+    ``enable_access_log: false`` filters them in each of its handlers; set as a deployment
+    option it would also keep an application's ``logging_config`` from applying to that
+    deployment.)"""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not getattr(record, "serve_access_log", False)

@@ -29,8 +29,9 @@ on a loop of their own unless ``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``, a wor
 setting, is in the environment). The caller's CPU per call
 is this process's CPU time over the form's calls (all its threads: the router's loop,
 Ray's core worker); the replicas' CPU per call is that of every DataPlane replica on the
-machine (both apps'; the idle app's background ticks count alike in every form). Ratios: each form's calls per second over ``serve``'s, per round, the
-median over rounds.
+machine (both apps': the idle app's background ticks count alike in every form). Ratios:
+each form's calls per second over ``serve``'s, per round, the median over rounds; and
+``connector`` over ``connector_logged``.
 """
 
 from __future__ import annotations

@@ -521,7 +521,8 @@ class Ingress:
         self._auth_refusals: collections.Counter = collections.Counter()
         self._auth_log = telemetry.Every(AUTH_LOG_INTERVAL_S)
         self._sessions = (
-            SessionClient(dataplane, self._config.dataplane.sessions) if dataplane else None
+            SessionClient(dataplane, self._config.dataplane.sessions, direct_calls=self._config.dataplane.direct_calls)
+            if dataplane else None
         )
         limits = self._config.security.rate_limits
         self._limiter = RateLimiter(limits, self._config.dataplane.redis) if limits.any else None

@@ -50,6 +50,11 @@ def cancel_call(response) -> None:
     leaves its router's queue; one running finishes, its answer unread). ``response``
     may be None (never made) or anything without ``cancel``."""
     cancel = getattr(response, "cancel", None)
+    if cancel is None and type(response).__name__ == "ObjectRef":
+        # A call sent straight to a replica's actor (routing.send_direct).
+        import ray
+
+        cancel = lambda: ray.cancel(response)  # noqa: E731
     if cancel is not None:
         try:
             cancel()

@@ -33,6 +33,7 @@ from app.errors import (
 from app.responses import check_response_id
 from app.serve_context import cancel_call
 from deployments.dataplane.redis_store import RedisRefused
+from deployments.dataplane.routing import DirectCalls
 
 logger = logging.getLogger("ray.serve")
 
@@ -283,14 +284,20 @@ class SessionClient:
     made again by this client that finds nothing is its success too.
     """
 
-    def __init__(self, dataplane, config: SessionConfig, tenant: str = DEFAULT_TENANT):
+    def __init__(self, dataplane, config: SessionConfig, tenant: str = DEFAULT_TENANT, *, direct_calls: bool = False):
         self._dp = dataplane
         self.config = config
         self.tenant = tenant
+        # A call's first attempt goes straight to the replica that owns the session
+        # (``routing.send_direct``, ``dataplane.direct_calls``) once this process's Serve
+        # router has seen the replicas; counted: sent so, and those whose replica died
+        # under them (made again through Serve). Shared with for_tenant()'s siblings.
+        self._direct = DirectCalls(dataplane, direct_calls, "sessions")
+        self.direct_calls = {"calls": 0, "fallbacks": 0}
         # What this client (and its for_tenant() siblings) read or wrote last (see cached()).
         self._records = RecordCache(config.ingress_cache_tokens)
         self._siblings: dict[str, SessionClient] = {}
-        self._m_retries = None
+        self._m_retries = self._m_direct = None
         try:
             import ray
 
@@ -304,8 +311,16 @@ class SessionClient:
                     "(reason=timeout), or a turn's append got a 503 (reason=busy).",
                     tag_keys=("op", "reason"),
                 )
+                self._m_direct = metrics.Counter(
+                    "llm_session_dataplane_direct_calls",
+                    "Session calls sent straight to the data-plane replica that owns the "
+                    "session (dataplane.direct_calls; outcome=sent), and those whose replica "
+                    "died or could not be reached under them (outcome=fallback: made again "
+                    "through Serve's router).",
+                    tag_keys=("op", "outcome"),
+                )
         except Exception:  # noqa: BLE001 - metrics are optional outside a Ray worker
-            self._m_retries = None
+            self._m_retries = self._m_direct = None
 
     async def _call(self, op: str, sid: str, /, *args, retried: list | None = None, busy_retries: int = 0, **kwargs):
         """``self._dp.<op>.remote(*args, **kwargs)``, made again while the replica taking
@@ -319,11 +334,19 @@ class SessionClient:
             pause = None
             bound = asyncio.timeout(self.config.call_timeout_s)
             response = None
+            direct = False
             try:
                 async with bound:
-                    response = getattr(self._dp, op).remote(*args, **kwargs)
+                    # The first attempt straight to the owner replica where known; a
+                    # repeat through Serve's router, which finds a live replica itself.
+                    response = self._send_direct(op, args, kwargs) if attempt == 0 else None
+                    direct = response is not None
+                    if not direct:
+                        response = getattr(self._dp, op).remote(*args, **kwargs)
                     return await response
             except Exception as e:
+                if direct and replica_died(e):
+                    self._count_direct(op, "fallback")
                 if isinstance(e, TimeoutError) and bound.expired():
                     cancel_call(response)
                     timeouts += 1
@@ -349,6 +372,19 @@ class SessionClient:
             if pause is None:
                 pause = min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic()))
             await asyncio.sleep(pause)
+
+    def _send_direct(self, op: str, args: tuple, kwargs: dict):
+        """The call's ObjectRef, sent straight to the replica that owns its key
+        (``routing.send_direct``); None where it cannot go so (off, no owner known yet)."""
+        ref = self._direct.send(op, args, kwargs)
+        if ref is not None:
+            self._count_direct(op, "sent")
+        return ref
+
+    def _count_direct(self, op: str, outcome: str) -> None:
+        self.direct_calls["calls" if outcome == "sent" else "fallbacks"] += 1
+        if self._m_direct is not None:
+            self._m_direct.inc(tags={"op": op, "outcome": outcome})
 
     def _on_retry(self, op: str, session_id: str, error: BaseException, attempt: int, reason: str) -> None:
         from opentelemetry import trace

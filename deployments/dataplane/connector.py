@@ -41,7 +41,7 @@ from deployments.compute.engines.kv import (
 )
 from deployments.dataplane.blocks import BlockChecks, CorruptBlockError, block_arrays, unpack_blocks
 from deployments.dataplane.redis_store import RedisUnavailable
-from deployments.dataplane.routing import owner_actor
+from deployments.dataplane.routing import DirectCalls
 from deployments.dataplane.types import InRedis
 
 logger = logging.getLogger("ray.serve")
@@ -128,7 +128,9 @@ class DataPlaneKVConnector(KVConnector):
 
         # Calls go straight to the owner replica's actor (see _call) once this process's
         # request router has seen the replicas. None: over a Serve handle.
-        self._direct = isinstance(handle, DeploymentHandle) if direct_calls is None else direct_calls
+        self._direct = DirectCalls(
+            handle, isinstance(handle, DeploymentHandle) if direct_calls is None else direct_calls, "KV connector"
+        )
         # Calls sent straight to a replica, and those that went through Serve after the
         # replica did not answer (died, unreachable).
         self.direct_calls = {"calls": 0, "fallbacks": 0}
@@ -172,15 +174,11 @@ class DataPlaneKVConnector(KVConnector):
             self._loop = None
 
     async def _call(self, method: str, *args, shard_key: str, **kwargs):
-        actor = owner_actor(self._handle.app_name, self._handle.deployment_name, shard_key) if self._direct else None
-        direct = None
-        if actor is not None:
-            try:
-                direct = self._send_direct(actor, method, args, shard_key, kwargs)
-            except (ImportError, AttributeError, TypeError) as e:
-                # Another Ray's Serve: no such entry point or metadata (see _send_direct).
-                self._direct = False
-                logger.warning("data-plane calls go through Serve's router from now on: %r", e)
+        """``method`` of the data plane, straight to the replica that owns ``shard_key``
+        (``routing.send_direct``) where this process knows it, else through the Serve
+        handle; a direct call whose replica died or cannot be reached goes through Serve
+        (which finds another replica, and the ring without it, on its own)."""
+        direct = self._direct.send(method, args, {**kwargs, "shard_key": shard_key})
         if direct is not None:
             try:
                 result = await asyncio.wait_for(direct, self._timeout_s)
@@ -191,36 +189,10 @@ class DataPlaneKVConnector(KVConnector):
 
                 if not isinstance(e, ray.exceptions.RayActorError):
                     raise
-                # The replica died or cannot be reached: Serve's router, which finds
-                # another replica (and the ring without it) on its own, takes the call.
                 self.direct_calls["fallbacks"] += 1
                 logger.info("data-plane %s straight to a replica failed (%s); through Serve", method, type(e).__name__)
         ref = getattr(self._handle, method).remote(*args, shard_key=shard_key, **kwargs)
         return await asyncio.wait_for(ref, self._timeout_s)
-
-    def _send_direct(self, actor, method: str, args: tuple, shard_key: str, kwargs: dict):
-        """``method`` sent to a DataPlane replica's actor as Serve's router would send a
-        plain (non-streaming) call: ``ReplicaActor.handle_request`` with Serve's request
-        metadata. The replica runs it as any call of its deployment (counted as ongoing,
-        in its metrics and access log); what is skipped is the caller's Serve router: its
-        replica choice (made here on the same ring, ``routing.owner_actor``), its request
-        bookkeeping, and the rejection round of Ray 2.60's calls (a streaming call whose
-        first message accepts or rejects). That costs the caller 2-3.5 ms of CPU per call
-        against ~1 for this (``loadtests.dataplane_calls``). Serve's internal protocol:
-        where the caller's side of it is missing (another Ray: no such actor method or
-        metadata class), sending fails at once and calls go through Serve from then on."""
-        import pickle
-        import uuid
-
-        from ray.serve._private.common import RequestMetadata
-
-        metadata = RequestMetadata(
-            request_id=uuid.uuid4().hex,
-            internal_request_id=uuid.uuid4().hex,
-            call_method=method,
-            app_name=self._handle.app_name,
-        )
-        return actor.handle_request.remote(pickle.dumps(metadata), *args, shard_key=shard_key, **kwargs)
 
     async def lookup(self, tenant: str, hashes: list[str], *, started=None) -> PrefixHit:
         if not hashes:

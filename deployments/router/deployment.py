@@ -39,6 +39,7 @@ from app.telemetry import LATENCY_BUCKETS_S
 from deployments.compute.engines.kv import block_hashes, prompt_lookup_hashes
 from deployments.compute.engines.protocol import EngineDeadError, GenerationRequest, TokenDelta
 from deployments.dataplane.root_index import RootIndex, redis_fetcher
+from deployments.dataplane.routing import DirectCalls
 from deployments.router.batcher import DynamicBatcher
 from deployments.router.placement import TRACKER, classify_outcome, report_outcome
 
@@ -137,6 +138,11 @@ class Router:
     ):
         self._config = AppConfig.model_validate(config)
         self._dataplane = dataplane
+        # The KV lookups it starts go straight to the owner replica (dataplane.direct_calls):
+        # an ObjectRef at once, without Serve's round that accepts the call first.
+        self._direct = DirectCalls(
+            dataplane, dataplane is not None and self._config.dataplane.direct_calls, "router's KV lookups"
+        )
         telemetry.setup(self._config.telemetry, "router")
         self._tracer = telemetry.tracer(__name__)
         self._worker = worker.options(stream=True, _by_reference=False)
@@ -186,6 +192,14 @@ class Router:
         self._m_kv_lookups = metrics.Counter(
             "llm_router_kv_lookups_started",
             "KV prefix lookups the router started for the worker as a request arrived.",
+        )
+        self._m_kv_lookup_calls = metrics.Counter(
+            "llm_router_kv_lookup_calls",
+            "The data-plane calls of the KV lookups the router starts, by how they went: "
+            "straight to the replica that owns the prefix (via=direct, dataplane.direct_calls) "
+            "or through Serve's router (via=serve: off, or this process has not seen the "
+            "replicas yet).",
+            tag_keys=("via",),
         )
         self._m_session_lookups = metrics.Counter(
             "llm_router_kv_session_lookups",
@@ -267,12 +281,15 @@ class Router:
 
     async def _start_lookup_call(self, tenant: str, hashes: list[str]):
         """Call the data plane's lookup of ``hashes`` (with references, for the worker)
-        and return the call's ObjectRef once the call is assigned to a replica (not
+        and return the call's ObjectRef: at once when it goes straight to the owner
+        replica (``routing.send_direct``), else once Serve assigned it to a replica (not
         answered); asyncio.TimeoutError after LOOKUP_START_TIMEOUT_S."""
-        call = self._dataplane.lookup_prefix.remote(
-            tenant, hashes, shard_key=hashes[0], with_refs=True,
-            direct_l3=self._config.dataplane.direct_l3_reads,
-        )
+        kwargs = {"shard_key": hashes[0], "with_refs": True, "direct_l3": self._config.dataplane.direct_l3_reads}
+        ref = self._direct.send("lookup_prefix", (tenant, hashes), kwargs)
+        self._m_kv_lookup_calls.inc(tags={"via": "serve" if ref is None else "direct"})
+        if ref is not None:
+            return ref
+        call = self._dataplane.lookup_prefix.remote(tenant, hashes, **kwargs)
         return await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
 
     async def _start_kv_lookup(

@@ -707,3 +707,26 @@ def test_only_the_ingress_writes_an_access_log_line_per_call(served_app):
     for deployment in ("DataPlane", "ComputeWorker"):
         assert list(serve_logs_dir().glob(f"replica_llm_{deployment}_*.log")), f"no {deployment} replica log"
         assert lines_of(deployment) == [], f"{deployment} wrote access-log lines"
+
+
+def test_session_calls_and_the_routers_lookups_go_straight_to_the_owner_replica(served_app):
+    """``dataplane.direct_calls`` (the default): once the ingress's Serve router has seen
+    the data-plane replicas, a session call goes to the owner replica's actor itself, and
+    so does the KV lookup the router starts for the torch worker; /metrics counts them."""
+    client = served_app.client()
+    sid = new_session(served_app)["id"]
+    for i in range(3):
+        turn(client, served_app.model_id, sid, f"turn {i}: a question long enough to fill a block or two")
+    assert get_session(served_app, sid).json()["version"] == 3
+
+    def sent(text: str, name: str, *labels: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and all(label in line for label in labels))
+
+    def counted() -> bool:
+        text = httpx.get(served_app.base_url + "/metrics", timeout=60).text
+        appends = sent(text, "ray_llm_session_dataplane_direct_calls_total", 'op="append_turn"', 'outcome="sent"')
+        lookups = sent(text, "ray_llm_router_kv_lookup_calls_total", 'via="direct"')
+        return appends >= 2 and (lookups >= 1 or served_app.engine != "torch")
+
+    wait_for(counted, 90, "direct session appends (and the router's direct lookups) in /metrics")

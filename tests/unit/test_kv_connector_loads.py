@@ -138,10 +138,10 @@ def test_saves_go_by_reference_only_through_a_serve_handle():
     from ray.serve.handle import DeploymentHandle
 
     stand_in = DataPlaneKVConnector(_Handle([], refs=None), block_size=16)
-    assert (stand_in._puts_by_ref, stand_in._direct) == (False, False)
+    assert (stand_in._puts_by_ref, stand_in._direct.enabled) == (False, False)
     handle = DeploymentHandle.__new__(DeploymentHandle)
-    assert (DataPlaneKVConnector(handle, block_size=16)._puts_by_ref, DataPlaneKVConnector(handle, block_size=16)._direct) == (True, True)
-    assert DataPlaneKVConnector(handle, block_size=16, direct_calls=False)._direct is False
+    assert (DataPlaneKVConnector(handle, block_size=16)._puts_by_ref, DataPlaneKVConnector(handle, block_size=16)._direct.enabled) == (True, True)
+    assert DataPlaneKVConnector(handle, block_size=16, direct_calls=False)._direct.enabled is False
 
 
 def test_forgotten_bandwidths_are_measured_again():
@@ -180,7 +180,9 @@ def _owner(monkeypatch, actor, seen: list):
         seen.append((app, deployment, shard_key))
         return actor
 
-    monkeypatch.setattr(connector_mod, "owner_actor", owner_actor)
+    from deployments.dataplane import routing
+
+    monkeypatch.setattr(routing, "owner_actor", owner_actor)
 
 
 def test_calls_go_straight_to_the_owner_replica_when_its_actor_is_known(monkeypatch):
@@ -239,4 +241,4 @@ def test_a_serve_without_the_entry_point_turns_direct_calls_off(monkeypatch):
     conn = DataPlaneKVConnector(handle, block_size=16, direct_calls=True)
     for _ in range(2):
         assert [bytes(b) for b in asyncio.run(conn.load(TENANT, HASHES))] == [b"x", b"y"]
-    assert conn._direct is False and len(seen) == 1 and handle.get_block_refs.calls == 2
+    assert conn._direct.enabled is False and len(seen) == 1 and handle.get_block_refs.calls == 2

@@ -153,6 +153,52 @@ async def test_router_starts_the_lookup_the_worker_would_make(one_worker):
     assert request.kv_lookup == "lookup-ref" and request.kv_lookup_key == hashes[-1]
 
 
+class _ServeLikeDataPlane(_DataPlane):
+    app_name = "app"
+    deployment_name = "DataPlane"
+
+
+@pytest.mark.parametrize("owner_known", [True, False])
+async def test_the_router_sends_its_lookup_straight_to_the_owner_replica_when_known(one_worker, monkeypatch, owner_known):
+    import pickle
+
+    from deployments.dataplane import routing
+
+    got = []
+
+    def handle_request(metadata, *args, **kwargs):
+        got.append((pickle.loads(metadata), args, kwargs))
+        return "direct-ref"
+
+    actor = SimpleNamespace(handle_request=SimpleNamespace(remote=handle_request))
+    monkeypatch.setattr(routing, "owner_actor", lambda app, deployment, key: actor if owner_known else None)
+    dp = _ServeLikeDataPlane()
+    router = _router("when_queued", dp)
+    request = _session_request()
+    await router._start_kv_lookup(request)
+    hashes = router._kv_hashes(request)
+    if owner_known:
+        # The actor call's ObjectRef at once: no round of Serve's that accepts it first.
+        assert request.kv_lookup == "direct-ref" and dp.lookup_prefix.calls == []
+        metadata, args, kwargs = got[0]
+        assert (metadata.call_method, metadata.app_name, args) == ("lookup_prefix", "app", ("default", hashes))
+        assert kwargs == {"shard_key": hashes[0], "with_refs": True, "direct_l3": True}
+    else:
+        assert request.kv_lookup == "lookup-ref" and got == [] and len(dp.lookup_prefix.calls) == 1
+    assert request.kv_lookup_key == hashes[-1]
+
+
+async def test_with_direct_calls_off_the_router_lookup_goes_through_serve(one_worker, monkeypatch):
+    from deployments.dataplane import routing
+
+    monkeypatch.setattr(routing, "owner_actor", lambda app, deployment, key: pytest.fail("looked for the owner"))
+    dp = _ServeLikeDataPlane()
+    config = {"dataplane": {"prefetch": "when_queued", "block_size": 16, "direct_calls": False}, "engine": {"name": "torch"}}
+    request = _session_request()
+    await Router(_Worker(), config, dp)._start_kv_lookup(request)
+    assert request.kv_lookup == "lookup-ref" and len(dp.lookup_prefix.calls) == 1
+
+
 @pytest.mark.parametrize("case", ["vllm", "no_reuse", "short_prompt", "dataplane_down"])
 async def test_no_router_lookup_when_it_cannot_serve_the_worker(one_worker, case):
     dp = _DataPlane()

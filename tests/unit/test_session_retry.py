@@ -298,3 +298,107 @@ def test_a_response_record_is_read_only_once_it_holds_its_conversation():
 
     with pytest.raises(InvalidRequestError):
         asyncio.run(c.get_response(SID))  # a session's id is no response's
+
+
+class _ServeLikeDataPlane(FakeDataPlane):
+    app_name = "app"
+    deployment_name = "DataPlane"
+
+
+def _owner_replica(monkeypatch, script):
+    """The owner replica's actor (``routing.owner_actor``'s answer) as a stand-in whose
+    ``handle_request`` answers from ``script`` as a scripted method does; returns the
+    (metadata, args, kwargs) of each call it got, and the scripted method."""
+    import pickle
+    from types import SimpleNamespace
+
+    from deployments.dataplane import routing
+
+    got, method = [], _Method(script)
+
+    def remote(metadata, *args, **kwargs):
+        got.append((pickle.loads(metadata), args, kwargs))
+        return method.remote(*args, **kwargs)
+
+    actor = SimpleNamespace(handle_request=SimpleNamespace(remote=remote))
+    monkeypatch.setattr(routing, "owner_actor", lambda app, deployment, key: actor)
+    return got, method
+
+
+def test_a_session_call_goes_straight_to_the_replica_that_owns_the_session(monkeypatch):
+    rec = record(3, [])
+    got, _ = _owner_replica(monkeypatch, [rec])
+    dp = _ServeLikeDataPlane(get_session=[record(9, [])])
+    c = SessionClient(dp, SessionConfig(), direct_calls=True)
+    assert asyncio.run(c.get(SID)) is rec
+    assert dp.get_session.calls == 0
+    metadata, args, kwargs = got[0]
+    assert (metadata.call_method, metadata.app_name, args, kwargs) == (
+        "get_session", "app", ("default", SID), {"shard_key": SID}
+    )
+    assert c.direct_calls == {"calls": 1, "fallbacks": 0}
+
+
+def test_a_session_call_whose_replica_died_under_it_is_made_again_through_serve(monkeypatch):
+    rec = record(3, [])
+    got, _ = _owner_replica(monkeypatch, [rex.ActorDiedError()])
+    dp = _ServeLikeDataPlane(get_session=[rec])
+    c = SessionClient(dp, SessionConfig(), direct_calls=True)
+    assert asyncio.run(c.get(SID)) is rec
+    assert len(got) == 1 and dp.get_session.calls == 1
+    assert c.direct_calls == {"calls": 1, "fallbacks": 1}
+
+
+def test_a_direct_session_call_with_no_answer_is_cancelled_and_made_again_through_serve(monkeypatch):
+    rec = record(3, [])
+    _, direct = _owner_replica(monkeypatch, [HANG])
+    dp = _ServeLikeDataPlane(get_session=[rec])
+    c = SessionClient(dp, SessionConfig(call_timeout_s=0.05), direct_calls=True)
+    assert asyncio.run(c.get(SID)) is rec
+    assert (direct.calls, direct.cancelled, dp.get_session.calls) == (1, 1, 1)
+    assert c.direct_calls == {"calls": 1, "fallbacks": 0}
+
+
+def test_a_direct_session_calls_own_error_is_the_answer(monkeypatch):
+    _owner_replica(monkeypatch, [ValueError("boom")])
+    dp = _ServeLikeDataPlane(get_session=[record(3, [])])
+    with pytest.raises(ValueError):
+        asyncio.run(SessionClient(dp, SessionConfig(), direct_calls=True).get(SID))
+    assert dp.get_session.calls == 0
+
+
+def test_with_direct_calls_off_or_no_owner_known_session_calls_go_through_serve(monkeypatch):
+    from deployments.dataplane import routing
+
+    rec = record(3, [])
+    got, _ = _owner_replica(monkeypatch, [record(9, [])])
+    dp = _ServeLikeDataPlane(get_session=[rec])
+    assert asyncio.run(SessionClient(dp, SessionConfig()).get(SID)) is rec
+    monkeypatch.setattr(routing, "owner_actor", lambda app, deployment, key: None)
+    on = SessionClient(dp, SessionConfig(), direct_calls=True)
+    assert asyncio.run(on.get(SID)) is rec
+    assert got == [] and dp.get_session.calls == 2 and on.direct_calls == {"calls": 0, "fallbacks": 0}
+
+
+def test_a_handle_that_is_not_serves_turns_direct_calls_off(monkeypatch):
+    _owner_replica(monkeypatch, [record(9, [])])
+    rec = record(3, [])
+    dp = FakeDataPlane(get_session=[rec])  # no app_name: not a Serve handle
+    c = SessionClient(dp, SessionConfig(), direct_calls=True)
+    assert asyncio.run(c.get(SID)) is rec
+    assert c._direct.enabled is False and dp.get_session.calls == 1
+
+
+def test_a_given_up_direct_call_is_cancelled_through_ray(monkeypatch):
+    import ray
+
+    from app.serve_context import cancel_call
+
+    class ObjectRef:  # what a call sent straight to an actor returns (no cancel of its own)
+        pass
+
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+    ref = ObjectRef()
+    cancel_call(ref)
+    assert cancelled == [ref]

@@ -50,14 +50,12 @@ def _say(msg: str) -> None:
     print(f"[miss_cost] {msg}", file=sys.stderr, flush=True)
 
 
-def ttft(client: httpx.Client, app: str, session: bool, rng: random.Random) -> float:
-    headers = {}
-    if session:
-        headers["X-Session-Id"] = client.post(f"/{app}/v1/sessions").json()["id"]
+def chat_ttft(client: httpx.Client, app: str, text: str, headers: dict, max_tokens: int = 2) -> float:
+    """Seconds to the first content of a streamed chat turn of ``text`` on ``app``."""
     body = {
         "model": "bench",
-        "messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(25))}],
-        "max_tokens": 2,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -72,6 +70,29 @@ def ttft(client: httpx.Client, app: str, session: bool, rng: random.Random) -> f
     if first is None:
         raise RuntimeError("no content in the stream")
     return first
+
+
+def ttft(client: httpx.Client, app: str, session: bool, rng: random.Random) -> float:
+    headers = {}
+    if session:
+        headers["X-Session-Id"] = client.post(f"/{app}/v1/sessions").json()["id"]
+    return chat_ttft(client, app, " ".join(rng.choice(WORDS) for _ in range(25)), headers)
+
+
+def deploy_side_by_side(apps: dict[str, dict], port: int, say) -> None:
+    """Each of ``apps`` (name: the app's args) deployed at ``/<name>`` in this Ray's
+    Serve, then waited for until every one is ready."""
+    from ray import serve
+
+    from app.builder import build_app
+    from app.cli import wait_ready
+
+    for name, a in apps.items():
+        say(f"deploying {name}")
+        serve.run(build_app(a), name=name, route_prefix=f"/{name}", blocking=False)
+    for name in apps:
+        if not wait_ready(f"http://127.0.0.1:{port}/{name}", 600):
+            raise TimeoutError(f"{name} not ready")
 
 
 def summary(xs: list[float]) -> dict:
@@ -101,8 +122,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app, use_serve_process_env
-    from app.cli import wait_ready
+    from app.builder import use_serve_process_env
     from app.local_redis import LocalRedis
     from app.model_builder import ensure_model
 
@@ -112,15 +132,12 @@ def main(argv=None) -> int:
         use_serve_process_env()  # as app.cli does
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        apps = {}
         for name, (reuse, prefetch, root_index_ms) in APPS.items():
-            a = app_args(model_path, redis.url, reuse, num_threads=2, l1=False)
+            a = apps[name] = app_args(model_path, redis.url, reuse, num_threads=2, l1=False)
             a["dataplane"]["prefetch"] = prefetch
             a["dataplane"]["root_index_sync_ms"] = root_index_ms
-            _say(f"deploying {name}")
-            serve.run(build_app(a), name=name, route_prefix=f"/{name}", blocking=False)
-        for name in APPS:
-            if not wait_ready(f"http://127.0.0.1:{args.port}/{name}", 600):
-                raise TimeoutError(f"{name} not ready")
+        deploy_side_by_side(apps, args.port, _say)
         rng = random.Random(1)
         times: dict[tuple[str, bool], list[float]] = {v: [] for v in VARIANTS}
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=60) as client:

@@ -758,7 +758,7 @@ class DataPlaneConfig(_Strict):
     direct_calls: bool = Field(
         default=True,
         description="Workers send their KV calls (lookups, reads, puts, promotions), and the "
-        "ingress its session calls and the KV lookups its router starts, straight to the "
+        "ingress its session calls and the KV lookups and prefetches its router starts, straight to the "
         "data-plane replica that owns the key, on the hash ring of Serve's own replica list, as "
         "Serve's router sends a plain call (the replica's handle_request), instead of through "
         "the Serve handle: ~1/3 of the caller's CPU per call and 1.4-2.2x the calls per second "

@@ -187,7 +187,11 @@ class Router:
             tag_keys=("reason",),
         )
         self._m_prefetch = metrics.Counter(
-            "llm_router_prefetch_requests", "Prefetches of session KV blocks asked of the data plane."
+            "llm_router_prefetch_requests",
+            "Prefetches of session KV blocks asked of the data plane: straight to the replica "
+            "that owns the prefix (via=direct, dataplane.direct_calls) or through Serve's router "
+            "(via=serve).",
+            tag_keys=("via",),
         )
         self._m_kv_lookups = metrics.Counter(
             "llm_router_kv_lookups_started",
@@ -462,10 +466,13 @@ class Router:
             self._root_index is None or not self._root_index.holds(request.tenant, hashes[0])
         ):
             return False
-        self._m_prefetch.inc()
-        task = asyncio.ensure_future(
-            self._dataplane.prefetch.remote(request.tenant, hashes, shard_key=hashes[0])
-        )
+        # Straight to the owner replica where known (dataplane.direct_calls): under load,
+        # when prefetches happen, the ingress's CPU is what runs out.
+        call = self._direct.send("prefetch", (request.tenant, hashes), {"shard_key": hashes[0]})
+        self._m_prefetch.inc(tags={"via": "serve" if call is None else "direct"})
+        if call is None:
+            call = self._dataplane.prefetch.remote(request.tenant, hashes, shard_key=hashes[0])
+        task = asyncio.ensure_future(call)
         # Keep a reference until done; a failed prefetch only costs the later fetch.
         self._prefetch_tasks.add(task)
         task.add_done_callback(self._prefetch_done)

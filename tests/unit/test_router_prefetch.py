@@ -188,6 +188,32 @@ async def test_the_router_sends_its_lookup_straight_to_the_owner_replica_when_kn
     assert request.kv_lookup_key == hashes[-1]
 
 
+async def test_a_prefetch_goes_straight_to_the_owner_replica_when_known(one_worker, monkeypatch):
+    import pickle
+
+    from deployments.dataplane import routing
+
+    got = []
+
+    def handle_request(metadata, *args, **kwargs):
+        got.append((pickle.loads(metadata).call_method, args, kwargs))
+
+        async def done():
+            return 3
+
+        return done()
+
+    actor = SimpleNamespace(handle_request=SimpleNamespace(remote=handle_request))
+    monkeypatch.setattr(routing, "owner_actor", lambda app, deployment, key: actor)
+    dp = _ServeLikeDataPlane()
+    router = _router("always", dp)
+    request = _session_request()
+    assert router._prefetch(request) is True
+    await asyncio.sleep(0)
+    hashes = router._kv_hashes(request)
+    assert got == [("prefetch", ("default", hashes), {"shard_key": hashes[0]})] and dp.prefetch.calls == []
+
+
 async def test_with_direct_calls_off_the_router_lookup_goes_through_serve(one_worker, monkeypatch):
     from deployments.dataplane import routing
 

@@ -73,6 +73,9 @@ def _autoscale_args(redis_url: str) -> dict:
         # none (a run here drained one call, ended 0.04 s after the stop order).
         router={"placement": {"load_factor": 1.0}},
         dataplane={"num_replicas": 1},
+        # The workers' call lines (Serve's access log, which only the ingress keeps by
+        # default) are this test's record of the calls the leaving replica drained.
+        telemetry={"access_log": "all"},
     )
 
 

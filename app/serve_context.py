@@ -46,9 +46,11 @@ def spawn(coro: Coroutine) -> asyncio.Task:
 
 
 def cancel_call(response) -> None:
-    """Cancel a Serve handle call that was given up (best effort: a call not yet sent
-    leaves its router's queue; one running finishes, its answer unread). ``response``
-    may be None (never made) or anything without ``cancel``."""
+    """Cancel a call that was given up (best effort): a Serve handle call (one not yet
+    sent leaves its router's queue; one running finishes, its answer unread), or one sent
+    straight to a replica's actor (an ObjectRef, ``routing.send_direct``: ``ray.cancel``,
+    which cancels the replica's coroutine). ``response`` may be None (never made) or
+    anything without ``cancel``."""
     cancel = getattr(response, "cancel", None)
     if cancel is None and type(response).__name__ == "ObjectRef":
         # A call sent straight to a replica's actor (routing.send_direct).

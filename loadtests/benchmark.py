@@ -767,10 +767,12 @@ class CpuMeter:
     :meth:`stop`, summed by :func:`cpu_role`, plus this process's children that exited
     meanwhile (a ``redis-benchmark`` run: ``child``). On 2 cores shared by the client,
     Redis, the data plane and Ray, throughput is bounded by the CPU each byte costs all
-    of them together: :meth:`per_gb` says where it goes. Linux only (``/proc``);
-    resolution is the kernel's clock tick (10 ms)."""
+    of them together: :meth:`per_gb` says where it goes. ``role``: another grouping,
+    ``role(pid, cmdline)``. Linux only (``/proc``); resolution is the kernel's clock tick
+    (10 ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, role=cpu_role) -> None:
+        self._role = role
         self._before: dict[int, tuple[str, float]] = {}
         self._children = 0.0
         self.seconds: dict[str, float] = {}
@@ -791,7 +793,7 @@ class CpuMeter:
         for pid, (cmdline, cpu) in after.items():
             used = cpu - self._before.get(pid, (cmdline, 0.0))[1]
             if used > 0:
-                role = cpu_role(pid, cmdline)
+                role = self._role(pid, cmdline)
                 seconds[role] = seconds.get(role, 0.0) + used
         child = self._children_cpu() - self._children
         if child > 0:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.benchmark import _process_cpu, write_report
+from loadtests.benchmark import CpuMeter, write_report
 from loadtests.miss_cost import chat_ttft, deploy_side_by_side
 from loadtests.multiturn import WORDS, app_args
 
@@ -37,15 +37,18 @@ def _say(msg: str) -> None:
     print(f"[session_calls] {msg}", file=sys.stderr, flush=True)
 
 
-def _cpu_of(app: str) -> dict[str, float]:
-    """CPU seconds so far of ``app``'s Ingress and DataPlane replicas."""
-    out = {"ingress": 0.0, "dataplane": 0.0}
-    for cmdline, cpu in _process_cpu().values():
+def _replicas_of(app: str):
+    """A ``CpuMeter`` role: ``app``'s Ingress and DataPlane replicas by part, the rest
+    of the machine as ``other``."""
+
+    def role(pid: int, cmdline: str) -> str:
         if f"ServeReplica:{app}:Ingress" in cmdline:
-            out["ingress"] += cpu
-        elif f"ServeReplica:{app}:DataPlane" in cmdline:
-            out["dataplane"] += cpu
-    return out
+            return "ingress"
+        if f"ServeReplica:{app}:DataPlane" in cmdline:
+            return "dataplane"
+        return "other"
+
+    return role
 
 
 def conversation(client: httpx.Client, app: str, turns: int, rng: random.Random) -> list[float]:
@@ -96,14 +99,14 @@ def main(argv=None) -> int:
             for i in range(args.conversations):
                 for name in (APPS if i % 2 == 0 else list(APPS)[::-1]):
                     time.sleep(0.3)
-                    before = _cpu_of(name)
+                    meter = CpuMeter(_replicas_of(name)).start()
                     ttfts = conversation(client, name, args.turns, rng)
-                    after = _cpu_of(name)
+                    used = meter.stop()
                     ttft_first[name].append(1000 * ttfts[0])
                     ttft_later[name].extend(1000 * t for t in ttfts[1:])
                     for part in ("ingress", "dataplane"):
                         # Per request: the turns, and the session's create and delete.
-                        cpu[name][part].append(1000 * (after[part] - before[part]) / (args.turns + 2))
+                        cpu[name][part].append(1000 * used.get(part, 0.0) / (args.turns + 2))
                 if (i + 1) % 10 == 0:
                     _say(f"{i + 1}/{args.conversations} conversations per app")
         serve.shutdown()

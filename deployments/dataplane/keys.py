@@ -23,14 +23,23 @@ them cannot forge another key. No braces: each key hashes to its own Redis Clust
 
 from __future__ import annotations
 
+import re
 from urllib.parse import quote, unquote
 
 PREFIX = "llm"
+
+# What quote(part, safe="-_.") leaves as it is (ASCII letters and digits, and "_.-~"):
+# a part made of these alone (block hashes are hex, tenants and ids usually are) is its
+# own quoted form, found without quote's encode and scan; a data-plane call names its
+# 64-128 blocks' keys several times over.
+_UNQUOTED = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch
 
 
 def _q(part: str) -> str:
     if not part:
         raise ValueError("tenant and ids must be non-empty")
+    if _UNQUOTED(part):
+        return part
     return quote(part, safe="-_.")
 
 

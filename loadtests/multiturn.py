@@ -35,6 +35,12 @@ Each turn's reused prompt tokens (``usage``'s cached tokens) are reported per mo
 Turn 1 has nothing to reuse in any mode: its TTFT with reuse on versus off is the cost of a
 miss (lookup + export).
 
+The ratios (recompute over each reuse mode at turns >= 4: the median of the per-turn
+ratios of the per-turn median TTFTs; turn 1's miss cost) come from all rounds together,
+and again from each round's conversations alone (``ratios_by_round``, with their min,
+median and max in ``ratios_spread``): how far one round's figure strays on a shared
+machine, which a single figure does not show.
+
 The full-length warm-up conversation is there because each round deploys fresh worker
 processes: their first prompts longer than any before grow malloc's heap, and every new
 page faults on first write. Recompute's prefills are the long ones, so without it the
@@ -241,6 +247,27 @@ def conversation(base_url: str, mode: str, args, seed: int, app_name: str) -> tu
     return ttfts, cached
 
 
+def turn_ratios(table: dict[str, list[float]]) -> dict[str, float]:
+    """The report's ratios from per-turn TTFTs (``table[mode][turn]``): recompute over
+    each reuse mode at turns >= 4 (the median of the per-turn ratios), turn 1 of L2 over
+    recompute's (what a miss costs), and the stateless / Responses comparisons."""
+    turns = min((len(v) for v in table.values()), default=0)
+    late = range(3, turns)  # turns >= 4
+    ratios: dict[str, float] = {}
+    if "recompute" in table and late:
+        for mode in ("l1", "l2", "l3", "l3_dataplane"):
+            if mode in table:
+                ratios[f"recompute_over_{mode}_turns_ge4"] = statistics.median(
+                    table["recompute"][t] / table[mode][t] for t in late
+                )
+    if "recompute" in table and "l2" in table and turns:
+        ratios["miss_cost_turn1_l2_over_recompute"] = table["l2"][0] / table["recompute"][0]
+    for slow, fast in (("stateless", "responses"), ("stateless", "l1"), ("responses", "l1")):
+        if slow in table and fast in table and late:
+            ratios[f"{slow}_over_{fast}_turns_ge4"] = statistics.median(table[slow][t] / table[fast][t] for t in late)
+    return ratios
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.multiturn")
     p.add_argument("--preset", default="small", choices=["tiny", "small"])
@@ -382,30 +409,30 @@ def main(argv=None) -> int:
         return [1000 * statistics.median(c[t] for c in runs[mode]) for t in range(args.turns)]
 
     table = {mode: per_turn(mode) for mode in runs if runs[mode]}
-    late = range(3, args.turns)  # turns >= 4
-    ratios = {}
-    if "recompute" in table:
-        for mode in ("l1", "l2", "l3", "l3_dataplane"):
-            if mode in table:
-                ratios[f"recompute_over_{mode}_turns_ge4"] = statistics.median(
-                    table["recompute"][t] / table[mode][t] for t in late
-                )
-        if "l2" in table:
-            ratios["miss_cost_turn1_l2_over_recompute"] = table["l2"][0] / table["recompute"][0]
-    for slow, fast in (("stateless", "responses"), ("stateless", "l1"), ("responses", "l1")):
-        if slow in table and fast in table and late:
-            ratios[f"{slow}_over_{fast}_turns_ge4"] = statistics.median(table[slow][t] / table[fast][t] for t in late)
+    ratios = turn_ratios(table)
+    # The same ratios from each round's conversations alone: how far one round's figure
+    # strays (each mode has one conversation a round).
+    by_round = [
+        turn_ratios({m: [1000 * s for s in runs[m][r]] for m in table}) for r in range(args.rounds)
+    ]
+    spread = {
+        k: {"min": min(v), "median": statistics.median(v), "max": max(v)}
+        for k in ratios
+        if len(v := [r[k] for r in by_round if k in r]) > 1
+    }
     print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median TTFT, ms)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{table[m][t]:>12.1f}" for m in table))
     print(json.dumps(ratios, indent=2))
+    if spread:
+        print("per round: " + json.dumps({k: [round(r[k], 2) for r in by_round if k in r] for k in spread}))
     hits = {m: [statistics.median(c[t] for c in reused[m]) for t in range(args.turns)] for m in table}
     print("turn  " + "".join(f"{m:>12}" for m in table) + "   (median reused prompt tokens)")
     for t in range(args.turns):
         print(f"{t + 1:>4}  " + "".join(f"{hits[m][t]:>12.0f}" for m in table))
     print(json.dumps({"kv_counters_per_conversation": kv}, indent=2))
-    report = {"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "kv_counters": kv, "raw_s": runs,
-              "reused_prompt_tokens_by_turn": hits}
+    report = {"args": vars(args), "ttft_ms_by_turn": table, "ratios": ratios, "ratios_by_round": by_round,
+              "ratios_spread": spread, "kv_counters": kv, "raw_s": runs, "reused_prompt_tokens_by_turn": hits}
     _say(f"stored {write_report(args.out, report)}")
     return 0
 

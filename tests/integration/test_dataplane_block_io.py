@@ -276,6 +276,48 @@ async def test_tls_and_unix_urls_fall_back_to_redis_py():
     assert RawBlockClient.from_redis(aioredis.Redis.from_url("unix:///tmp/nothing.sock")) is None
 
 
+async def test_a_server_that_closes_during_a_read_fails_it_and_leaves_nothing_behind():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    raw = RawBlockClient("127.0.0.1", port, socket_timeout=5, connect_timeout=1)
+
+    async def half_a_reply_then_close():
+        peer, _ = await loop.sock_accept(listener)
+        peer.setblocking(False)
+        await loop.sock_recv(peer, 1024)  # the MGET
+        await loop.sock_sendall(peer, b"*1\r\n$100000\r\n" + b"x" * 5000)
+        await asyncio.sleep(0.2)
+        peer.close()
+
+    conns = []
+    real_connect = raw._connect
+
+    async def noting_connect():
+        conn = await real_connect()
+        conns.append((conn, conn.sock.fileno()))
+        return conn
+
+    raw._connect = noting_connect
+    listener.setblocking(False)
+    server = asyncio.create_task(half_a_reply_then_close())
+    try:
+        started = time.monotonic()
+        with pytest.raises(rexc.ConnectionError):
+            await raw.mget_packed(["k"])
+        assert time.monotonic() - started < 3  # the close, not the socket timeout
+        assert raw._idle == []
+        # The connection is closed and off the loop's readers (its fd may be reused).
+        ((conn, fd),) = conns
+        assert conn.sock.fileno() == -1 and loop.remove_reader(fd) is False
+        await server
+    finally:
+        raw.close()
+        listener.close()
+
+
 async def test_a_silent_server_times_out():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

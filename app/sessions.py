@@ -339,10 +339,9 @@ class SessionClient:
                 async with bound:
                     # The first attempt straight to the owner replica where known; a
                     # repeat through Serve's router, which finds a live replica itself.
-                    response = self._send_direct(op, args, kwargs) if attempt == 0 else None
-                    direct = response is not None
-                    if not direct:
-                        response = getattr(self._dp, op).remote(*args, **kwargs)
+                    response, direct = self._direct.call(op, args, kwargs, straight=attempt == 0)
+                    if direct:
+                        self._count_direct(op, "sent")
                     return await response
             except Exception as e:
                 if direct and replica_died(e):
@@ -372,14 +371,6 @@ class SessionClient:
             if pause is None:
                 pause = min(0.05 * 2**attempt, 1.0, max(0.0, deadline - time.monotonic()))
             await asyncio.sleep(pause)
-
-    def _send_direct(self, op: str, args: tuple, kwargs: dict):
-        """The call's ObjectRef, sent straight to the replica that owns its key
-        (``routing.send_direct``); None where it cannot go so (off, no owner known yet)."""
-        ref = self._direct.send(op, args, kwargs)
-        if ref is not None:
-            self._count_direct(op, "sent")
-        return ref
 
     def _count_direct(self, op: str, outcome: str) -> None:
         self.direct_calls["calls" if outcome == "sent" else "fallbacks"] += 1

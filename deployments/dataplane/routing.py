@@ -217,6 +217,15 @@ class DirectCalls:
             logger.warning("%s: data-plane calls go through Serve's router from now on: %r", self._caller, e)
             return None
 
+    def call(self, method: str, args: tuple, kwargs: dict, *, straight: bool = True):
+        """``handle.<method>.remote(*args, **kwargs)``: straight to the owner replica
+        where it can go so (and ``straight``), else through Serve's router. Returns the
+        call (an ObjectRef, or the Serve handle's response) and whether it went straight."""
+        ref = self.send(method, args, kwargs) if straight else None
+        if ref is not None:
+            return ref, True
+        return getattr(self._handle, method).remote(*args, **kwargs), False
+
 
 class KeyAffinityRequestRouter(RequestRouter):  # type: ignore[misc,valid-type]
     """Serve request router: the replica that owns ``shard_key`` on the hash ring."""

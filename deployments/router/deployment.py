@@ -289,11 +289,10 @@ class Router:
         replica (``routing.send_direct``), else once Serve assigned it to a replica (not
         answered); asyncio.TimeoutError after LOOKUP_START_TIMEOUT_S."""
         kwargs = {"shard_key": hashes[0], "with_refs": True, "direct_l3": self._config.dataplane.direct_l3_reads}
-        ref = self._direct.send("lookup_prefix", (tenant, hashes), kwargs)
-        self._m_kv_lookup_calls.inc(tags={"via": "serve" if ref is None else "direct"})
-        if ref is not None:
-            return ref
-        call = self._dataplane.lookup_prefix.remote(tenant, hashes, **kwargs)
+        call, straight = self._direct.call("lookup_prefix", (tenant, hashes), kwargs)
+        self._m_kv_lookup_calls.inc(tags={"via": "direct" if straight else "serve"})
+        if straight:
+            return call
         return await asyncio.wait_for(call._to_object_ref(), timeout=LOOKUP_START_TIMEOUT_S)
 
     async def _start_kv_lookup(
@@ -468,10 +467,8 @@ class Router:
             return False
         # Straight to the owner replica where known (dataplane.direct_calls): under load,
         # when prefetches happen, the ingress's CPU is what runs out.
-        call = self._direct.send("prefetch", (request.tenant, hashes), {"shard_key": hashes[0]})
-        self._m_prefetch.inc(tags={"via": "serve" if call is None else "direct"})
-        if call is None:
-            call = self._dataplane.prefetch.remote(request.tenant, hashes, shard_key=hashes[0])
+        call, straight = self._direct.call("prefetch", (request.tenant, hashes), {"shard_key": hashes[0]})
+        self._m_prefetch.inc(tags={"via": "direct" if straight else "serve"})
         task = asyncio.ensure_future(call)
         # Keep a reference until done; a failed prefetch only costs the later fetch.
         self._prefetch_tasks.add(task)

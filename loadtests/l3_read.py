@@ -4,9 +4,14 @@ blocks, and checking each (header, XXH3), in three forms alternated in each roun
 
 * ``after``: one MGET piece outstanding at a time, each block checked once the whole
   read is in (how the reads went before ``resp.MGET_AHEAD`` and ``on_value``);
-* ``inline``: one piece at a time, each block checked as it arrives (``on_value``);
-* ``ahead``: ``resp.MGET_AHEAD`` (2) pieces outstanding, each block checked as it
-  arrives: what the worker's direct read, the data plane's read and its promotions do.
+* ``inline``: one piece at a time, each block checked as it arrives (``on_value``):
+  what the worker's direct read, the data plane's read and its promotions do since
+  2026-12-06's twentieth session (``resp.MGET_AHEAD`` 1);
+* ``ahead``: two pieces outstanding (``resp.MGET_AHEAD`` 2, the default before), each
+  block checked as it arrives.
+
+The client reads up to ``resp.MGET_CALLS_AT_ONCE`` (4) calls at once, each on its own
+connection, in every form (``LLM_RAW_MGET_CALLS_AT_ONCE`` sets it).
 
     python -m loadtests.l3_read [--rounds 5] [--blocks 8,32,128] [--out FILE]
 
@@ -70,6 +75,7 @@ async def run(args) -> dict:
     rng = np.random.default_rng(0)
     server = LocalRedis(cache_max_memory="2gb").start()
     client = RawBlockClient("127.0.0.1", server.port)
+    ahead_default = resp.MGET_AHEAD
     try:
         _say(f"storing {NUM_STORED} blocks of {payload_bytes >> 10} KiB")
         block_bytes = 0
@@ -110,7 +116,7 @@ async def run(args) -> dict:
                 f"{f} " + " ".join(f"{n}:{row['read_ms'][f][n]:.1f}ms" for n in sizes) + f" bulk {row['bulk_gbps'][f]:.2f} GB/s"
                 for f in FORMS) + f"; redis-benchmark GET {row['redis_benchmark_get_gbps']:.2f} GB/s", flush=True)
     finally:
-        resp.MGET_AHEAD = 2
+        resp.MGET_AHEAD = ahead_default
         client.close()
         server.cleanup()
     summary = {

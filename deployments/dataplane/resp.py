@@ -10,8 +10,8 @@ the whole pipeline, then the transport's buffer). Measured on the 2-core test ma
   form that crosses the Serve hop (``blocks.pack_blocks``), so a block read from Redis is
   copied once, by the kernel, before Ray's object store takes it. A large read goes as
   several MGETs of a few MiB, one after the other, which Redis serves about twice as fast.
-  A client reads one call at a time (``MGET_CALLS_AT_ONCE``); calls made meanwhile
-  queue in order.
+  A client reads up to ``MGET_CALLS_AT_ONCE`` calls at once, each on its own
+  connection with one piece outstanding; calls beyond that queue in order.
 * :meth:`RawBlockClient.pipeline` sends commands with ``sendmsg`` over the caller's
   buffers (memoryviews of L2) and parses the small replies.
 
@@ -48,14 +48,19 @@ _IOV_MAX = 1024
 # one client; the size of a value is guessed from those already read, at first this.
 MGET_IN_FLIGHT_BYTES = 4 << 20
 _VALUE_GUESS = 64 * 1024
-# MGETs of one call outstanding on its connection at once.
-MGET_AHEAD = 2
-# mget_packed calls of one client reading at once (0: no limit); the others queue, in
-# order. Four 16 MiB reads at once from one process ran at 0.82 GB/s (median of ten
-# rounds), one after the other at 1.06 (loadtests/README.md, "One L3 read at a time"):
-# they share one CPU for the socket reads and checks, and each finishes later side by
-# side than in turn. LLM_RAW_MGET_CALLS_AT_ONCE sets it (benchmarks).
-MGET_CALLS_AT_ONCE = int(os.environ.get("LLM_RAW_MGET_CALLS_AT_ONCE", "1"))
+# MGETs of one call outstanding on its connection at once. One: Redis then holds at most
+# one piece of each read in its reply buffers (4 MiB for one read, 1 MiB each for four),
+# which cost it less CPU per byte than two (loadtests/README.md, "Four L3 reads at once,
+# one piece each"). LLM_RAW_MGET_AHEAD sets it (benchmarks).
+MGET_AHEAD = max(1, int(os.environ.get("LLM_RAW_MGET_AHEAD", "1")))
+# mget_packed calls of one client reading at once, each on its own connection (0: no
+# limit); the others queue, in order. With one piece of each outstanding, four at once
+# read faster than one after the other: seven pairs of ``loadtests.dataplane_throughput``
+# runs, the worker's reader alone 0.73 against 0.63 of redis-benchmark's GET, its L3
+# loads 0.43 against 0.39, a lone 128-block load no slower (medians). With two pieces
+# each, four at once had been the slower (0.82 against 1.06 GB/s, "One L3 read at a
+# time"). LLM_RAW_MGET_CALLS_AT_ONCE sets it (benchmarks).
+MGET_CALLS_AT_ONCE = int(os.environ.get("LLM_RAW_MGET_CALLS_AT_ONCE", "4"))
 
 
 def _arg(a) -> bytes | memoryview:
@@ -373,8 +378,8 @@ class RawBlockClient:
         4 callers at once, one MGET each 1.07-1.52 GB/s, pieces of this budget 2.17-2.58;
         one caller, 1.32-3.41 against 2.50-3.39. (redis-benchmark shows the same: GET
         with 64 pipelined per connection runs slower than one at a time.) ``MGET_AHEAD``
-        pieces are outstanding at once, so that Redis builds the next while this process
-        reads one.
+        pieces are outstanding at once (one by default: Redis's reply buffers then hold
+        less, see above).
 
         ``on_value(i, view)`` is called with each present value (``keys[i]``) as soon as
         it has been read, while its bytes are still in the CPU's cache and Redis is

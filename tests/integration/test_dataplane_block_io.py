@@ -117,12 +117,13 @@ async def test_a_large_mget_goes_in_pieces_on_one_connection_and_reads_the_same(
         await client.aclose()
 
 
-async def test_reads_made_at_once_on_one_client_go_one_after_the_other_in_order(redis_server, monkeypatch):
-    """Four reads made at once: each one's MGETs are all sent and read before the next
-    read sends its first (MGET_CALLS_AT_ONCE), in the order the reads were made, and
-    each gets its own values."""
+async def test_reads_made_at_once_beyond_the_limit_go_one_after_the_other_in_order(redis_server, monkeypatch):
+    """With MGET_CALLS_AT_ONCE 1, four reads made at once: each one's MGETs are all
+    sent and read before the next read sends its first, in the order the reads were
+    made, and each gets its own values."""
     from deployments.dataplane import resp
 
+    monkeypatch.setattr(resp, "MGET_CALLS_AT_ONCE", 1)  # read when the client is made
     client, raw = raw_client(redis_server.url)
     order: list[bytes] = []
     real_send = resp._Conn.send
@@ -143,6 +144,59 @@ async def test_reads_made_at_once_on_one_client_go_one_after_the_other_in_order(
         reads = [next(g for g in range(4) if f"io:q{g}-".encode() in head) for head in order]
         assert reads == sorted(reads) and len(set(reads)) == 4, reads  # read by read, in order
         assert len(reads) > 4  # each read in pieces
+        assert len(raw._idle) == 1  # one connection did it all
+    finally:
+        raw.close()
+        await client.aclose()
+
+
+async def test_reads_made_at_once_go_side_by_side_on_their_own_connections_up_to_the_limit(redis_server, monkeypatch):
+    """Six reads made at once with the default MGET_CALLS_AT_ONCE (4): the first four
+    run side by side, each on a connection of its own with one piece outstanding; the
+    last two start only once one of those has ended, in order; each read gets its own
+    values."""
+    from deployments.dataplane import resp
+
+    assert resp.MGET_CALLS_AT_ONCE == 4 and resp.MGET_AHEAD == 1
+    client, raw = raw_client(redis_server.url)
+    sends: list[tuple[int, int]] = []  # (read, connection)
+    ends: list[int] = []  # reads in the order their last piece was read
+    real_send = resp._Conn.send
+
+    async def noting_send(self, buffers):
+        head = bytes(buffers[0])[:40]
+        sends.append((next(g for g in range(6) if f"io:s{g}-".encode() in head), id(self)))
+        return await real_send(self, buffers)
+
+    monkeypatch.setattr(resp._Conn, "send", noting_send)
+    monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 250_000)  # one value a piece, four at once
+    try:
+        groups = [[f"io:s{g}-{i}" for i in range(5)] for g in range(6)]
+        await client.mset({k: os.urandom(60_000 + 1000 * g) for g, ks in enumerate(groups) for k in ks})
+        expected = [await client.mget(ks) for ks in groups]
+
+        async def read(g):
+            result = await raw.mget_packed(groups[g])
+            ends.append(g)
+            return result
+
+        results = await asyncio.gather(*(read(g) for g in range(6)))
+        for (data, lengths), want in zip(results, expected):
+            assert bytes(data) == b"".join(want) and lengths == [len(v) for v in want]
+        first_send = {g: next(i for i, (r, _) in enumerate(sends) if r == g) for g in range(6)}
+        last_send = {g: max(i for i, (r, _) in enumerate(sends) if r == g) for g in range(6)}
+        # The first four were all under way before any of them sent its last piece.
+        assert max(first_send[g] for g in range(4)) < min(last_send[g] for g in range(4)), sends
+        # Each on its own connection, and never more than four.
+        conns = {g: {c for r, c in sends if r == g} for g in range(6)}
+        assert all(len(c) == 1 for c in conns.values()), conns
+        assert len({c for r in range(4) for c in conns[r]}) == 4
+        assert len({c for cs in conns.values() for c in cs}) == 4 and len(raw._idle) == 4
+        # The fifth and sixth started after one of the first four ended, in order.
+        assert ends[0] in range(4) and first_send[4] < first_send[5], (ends, first_send)
+        assert first_send[4] > min(last_send[g] for g in range(4)), sends
+        # One piece of a read outstanding at a time: a read's sends are one per value.
+        assert all(sum(1 for r, _ in sends if r == g) == 5 for g in range(6)), sends
     finally:
         raw.close()
         await client.aclose()
@@ -175,10 +229,16 @@ async def test_pieces_go_ahead_of_the_reply_and_each_value_is_handed_over_as_it_
         await raw.mget_packed(names)  # the connection, and the client's value size
         monkeypatch.setattr(resp._Conn, "readline", noting_readline)
         monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 120_000)  # ~2 values a piece
+        # The default: one piece asked for before its reply is read (resp.MGET_AHEAD).
+        sent = 0
+        await raw.mget_packed(names)
+        assert sends_before_first_reply == [1] and sent >= 4, (sends_before_first_reply, sent)
+        monkeypatch.setattr(resp, "MGET_AHEAD", 2)
         seen: list[tuple[int, bytes]] = []
         sent = 0
+        sends_before_first_reply.clear()
         data, lengths = await raw.mget_packed(names, on_value=lambda i, view: seen.append((i, bytes(view))))
-        # Two pieces were asked for before the first reply was read (resp.MGET_AHEAD).
+        # With MGET_AHEAD 2, two pieces were asked for before the first reply was read.
         assert sends_before_first_reply == [2] and sent >= 4, (sends_before_first_reply, sent)
         # Each present value, with its index among the keys, in order; the nil skipped.
         assert seen == [(i, values[n]) for i, n in enumerate(names) if n != "io:none"]

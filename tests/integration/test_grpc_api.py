@@ -15,6 +15,7 @@ from google.protobuf import struct_pb2
 
 from app.grpc_api import llm_pb2 as pb
 from app.grpc_api import llm_pb2_grpc
+from deployments.compute.engines.protocol import MAX_LOGPROBS
 from tests.fixtures.serve_app import idle_worker_stats, serve_logs_dir, suite_ingress, worker_stats
 
 pytestmark = pytest.mark.integration
@@ -245,9 +246,9 @@ def test_sessions_over_grpc(served_app, stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and trailing(e.value)["llm-error-param"] == "session_id"
 
 
-def long_stream(stub):
+def long_stream(stub, logprobs=None):
     """A stream of the context's length; its max_tokens and the worker's token count
-    before it."""
+    before it. ``logprobs``: that many alternatives in each chunk (larger chunks)."""
     max_len = stub.ListModels(pb.ListModelsRequest(), metadata=APP, timeout=60).data[0].max_model_len
     assert max_len > 64
     max_tokens = max_len - 8
@@ -255,7 +256,9 @@ def long_stream(stub):
     extra = struct_pb2.Struct()
     extra.update({"ignore_eos": True})
     call = stub.CompletionStream(
-        pb.CompletionRequest(model="tiny-llama", prompt_token_ids=[13] * 8, max_tokens=max_tokens, extra=extra),
+        pb.CompletionRequest(
+            model="tiny-llama", prompt_token_ids=[13] * 8, max_tokens=max_tokens, extra=extra, logprobs=logprobs
+        ),
         metadata=APP, timeout=120,
     )
     return call, max_tokens, before
@@ -278,10 +281,14 @@ def test_a_stream_cancelled_while_the_proxy_waits_to_write_stops_its_generation(
     # off so that it stays so), so the proxy is waiting in a write when the cancel lands:
     # the case that Ray Serve 2.60's Python proxy did not cancel (app/grpc_api/proxy_fix.py;
     # scripts/test.sh runs this module behind it, the suite behind HAProxy).
+    # Chunks with MAX_LOGPROBS alternatives each (hundreds of bytes) fill that window in a
+    # few chunks: with one token's text each it took dozens, and a proxy that lagged
+    # behind the worker on a loaded machine was sometimes still writing those (not
+    # blocked) when the cancel came, which Ray's own path then took (CI, 2026-12-07).
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options)
     try:
-        call, max_tokens, before = long_stream(llm_pb2_grpc.LLMStub(channel))
+        call, max_tokens, before = long_stream(llm_pb2_grpc.LLMStub(channel), logprobs=MAX_LOGPROBS)
         assert next(call).choices
         # Read nothing more until the worker is well past what the window holds.
         deadline = time.monotonic() + 60

@@ -152,27 +152,30 @@ async def test_reads_made_at_once_beyond_the_limit_go_one_after_the_other_in_ord
 
 async def test_reads_made_at_once_go_side_by_side_on_their_own_connections_up_to_the_limit(redis_server, monkeypatch):
     """Six reads made at once with the default MGET_CALLS_AT_ONCE (4): the first four
-    run side by side, each on a connection of its own with one piece outstanding; the
-    last two start only once one of those has ended, in order; each read gets its own
-    values."""
+    run side by side, each on a connection of its own; the last two start only once one
+    of those has ended, in order; each read gets its own values. (One piece outstanding
+    per read, MGET_AHEAD: test_pieces_go_ahead_of_the_reply_...)"""
     from deployments.dataplane import resp
 
     assert resp.MGET_CALLS_AT_ONCE == 4 and resp.MGET_AHEAD == 1
     client, raw = raw_client(redis_server.url)
     sends: list[tuple[int, int]] = []  # (read, connection)
+    under_way: list[int] = []  # the client's reads in progress at each send
     ends: list[int] = []  # reads in the order their last piece was read
     real_send = resp._Conn.send
 
     async def noting_send(self, buffers):
         head = bytes(buffers[0])[:40]
         sends.append((next(g for g in range(6) if f"io:s{g}-".encode() in head), id(self)))
+        under_way.append(raw._mgets_in_flight)
         return await real_send(self, buffers)
 
     monkeypatch.setattr(resp._Conn, "send", noting_send)
-    monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 250_000)  # one value a piece, four at once
+    # Values over half the budget: one a piece however many reads are in flight.
+    monkeypatch.setattr(resp, "MGET_IN_FLIGHT_BYTES", 250_000)
     try:
         groups = [[f"io:s{g}-{i}" for i in range(5)] for g in range(6)]
-        await client.mset({k: os.urandom(60_000 + 1000 * g) for g, ks in enumerate(groups) for k in ks})
+        await client.mset({k: os.urandom(130_000 + 1000 * g) for g, ks in enumerate(groups) for k in ks})
         expected = [await client.mget(ks) for ks in groups]
 
         async def read(g):
@@ -185,8 +188,8 @@ async def test_reads_made_at_once_go_side_by_side_on_their_own_connections_up_to
             assert bytes(data) == b"".join(want) and lengths == [len(v) for v in want]
         first_send = {g: next(i for i, (r, _) in enumerate(sends) if r == g) for g in range(6)}
         last_send = {g: max(i for i, (r, _) in enumerate(sends) if r == g) for g in range(6)}
-        # The first four were all under way before any of them sent its last piece.
-        assert max(first_send[g] for g in range(4)) < min(last_send[g] for g in range(4)), sends
+        # The first four were all under way when the first piece went, and never more.
+        assert under_way[0] == 4 and max(under_way) == 4, under_way
         # Each on its own connection, and never more than four.
         conns = {g: {c for r, c in sends if r == g} for g in range(6)}
         assert all(len(c) == 1 for c in conns.values()), conns
@@ -195,7 +198,7 @@ async def test_reads_made_at_once_go_side_by_side_on_their_own_connections_up_to
         # The fifth and sixth started after one of the first four ended, in order.
         assert ends[0] in range(4) and first_send[4] < first_send[5], (ends, first_send)
         assert first_send[4] > min(last_send[g] for g in range(4)), sends
-        # One piece of a read outstanding at a time: a read's sends are one per value.
+        # Each read in pieces of one value (the budget), whoever else was reading.
         assert all(sum(1 for r, _ in sends if r == g) == 5 for g in range(6)), sends
     finally:
         raw.close()

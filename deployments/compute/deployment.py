@@ -220,6 +220,8 @@ class ComputeWorker(DrainsOnStop):
                 ("direct_l3_bytes", "Bytes of L3 blocks this worker read from Redis itself."),
                 ("lost_refs", "Prefix loads that found an L2 object's owner (the worker that put it) gone and read the blocks inline from the data plane instead."),
                 ("direct_l3_fallbacks", "Prefix loads whose L3 blocks the data plane read instead (Redis unreachable from the worker, a block gone or corrupt)."),
+                ("promotions_by_ref", "Promotions of blocks this worker read from Redis that handed the data plane its bytes through the object store."),
+                ("promotions_reread", "Promotions of blocks this worker read from Redis that the data plane read from Redis again (over the bytes a worker keeps for them)."),
                 ("dataplane_direct_calls", "Data-plane calls sent straight to the replica that owns the key (dataplane.direct_calls)."),
                 ("dataplane_direct_fallbacks", "Data-plane calls sent straight to a replica that died or could not be reached, then made through Serve."),
             )
@@ -402,6 +404,7 @@ class ComputeWorker(DrainsOnStop):
             "lost_refs": getattr(self._kv_connector, "lost_refs", 0),
             **{f"dataplane_direct_{k}": v for k, v in getattr(self._kv_connector, "direct_calls", {}).items()},
             **{f"direct_l3_{k}": v for k, v in getattr(self._kv_connector, "direct_l3", {}).items()},
+            **{f"promotions_{k}": v for k, v in getattr(self._kv_connector, "promotions", {}).items()},
             "lookups": s.lookups,
             "arena_used_bytes": getattr(s, "arena_used_bytes", 0),
             "arena_capacity_bytes": getattr(s, "arena_capacity_bytes", 0),

@@ -57,6 +57,12 @@ DIRECT_L3_RETRY_S = 10.0
 # How long after a direct L3 read its blocks are promoted into L2: after the request's
 # prefill, before the session's next turn (which a person types).
 PROMOTE_DELAY_S = 1.0
+# The bytes of direct L3 reads a connector keeps for their promotions at most: the data
+# plane then takes the worker's copy (through the object store) instead of reading
+# Redis again. A read past it is promoted by the data plane's own read, as before. The
+# blocks' buffers (in a torch worker, from its KV arena) stay in use until the promotion
+# (PROMOTE_DELAY_S), so this bounds what they keep from the arena.
+PROMOTE_HOLD_BYTES = 64 << 20
 
 
 def _remember(entries: OrderedDict, key, value, limit: int) -> None:
@@ -122,6 +128,8 @@ class DataPlaneKVConnector(KVConnector):
         promote_delay_s: float = PROMOTE_DELAY_S,
         puts_by_ref: Optional[bool] = None,
         direct_calls: Optional[bool] = None,
+        promote_by_ref: Optional[bool] = None,
+        promote_hold_bytes: int = PROMOTE_HOLD_BYTES,
     ):
         self._handle = handle
         from ray.serve.handle import DeploymentHandle
@@ -141,6 +149,16 @@ class DataPlaneKVConnector(KVConnector):
         if puts_by_ref is None:
             puts_by_ref = isinstance(handle, DeploymentHandle)
         self._puts_by_ref = puts_by_ref
+        # Promotions hand the data plane the blocks this worker read from Redis (one copy
+        # into the object store here) instead of having it read them again: Redis sends
+        # each L3 hit's bytes once, not twice. None: as puts go (puts_by_ref). Within
+        # ``promote_hold_bytes`` of reads waiting for their promotion.
+        self._promote_by_ref = puts_by_ref if promote_by_ref is None else promote_by_ref
+        self._promote_hold_bytes = promote_hold_bytes
+        self._promote_held = 0
+        # Promotions sent with this worker's bytes, and those the data plane read from
+        # Redis (no by-reference promotions here, or over the bytes allowed to wait).
+        self.promotions = {"by_ref": 0, "reread": 0}
         self._node: Optional[str] = None
         # ``redis_store.BlockReader`` of the blocks' Redis (None: the data plane reads L3).
         self._reader = l3_reader
@@ -304,8 +322,12 @@ class DataPlaneKVConnector(KVConnector):
             return None
         self.direct_l3["reads"] += 1
         self.direct_l3["blocks"] += len(views)
-        self.direct_l3["bytes"] += sum(len(v) for v in views)
-        self._spawn(self._promote(tenant, hashes, root))
+        nbytes = sum(len(v) for v in views)
+        self.direct_l3["bytes"] += nbytes
+        keep = self._promote_by_ref and self._promote_held + nbytes <= self._promote_hold_bytes
+        if keep:
+            self._promote_held += nbytes
+        self._spawn(self._promote(tenant, hashes, root, views if keep else None))
         return views
 
     async def _read_checked(self, tenant: str, hashes: list[str]) -> Optional[list]:
@@ -335,12 +357,37 @@ class DataPlaneKVConnector(KVConnector):
             )
         return views
 
-    async def _promote(self, tenant: str, hashes: list[str], root: str) -> None:
-        await asyncio.sleep(self._promote_delay_s)
+    async def _promote(self, tenant: str, hashes: list[str], root: str, views: Optional[list] = None) -> None:
+        """:meth:`promote`, ``promote_delay_s`` from now; ``views`` (the blocks read) are
+        held until then within ``promote_hold_bytes`` (reserved by the caller)."""
+        held = sum(len(v) for v in views) if views is not None else 0
         try:
-            await self._call("promote", tenant, hashes, shard_key=root)
+            await asyncio.sleep(self._promote_delay_s)
+            await self.promote(tenant, hashes, views, chain_root=root)
         except Exception as e:
             logger.info("KV promote of %d blocks failed (they stay in L3): %s", len(hashes), e)
+        finally:
+            self._promote_held -= held
+
+    async def promote(self, tenant: str, hashes: list[str], blocks: Optional[list] = None, *, chain_root: str) -> int:
+        """Ask the data plane to bring ``hashes``, just read from Redis here, up to L2 (how
+        many are in L2 now). With ``blocks`` (what was read) and promotions by reference,
+        it takes them through the object store, one copy here (in a thread; the loop
+        keeps serving), instead of reading Redis again. Without, it reads them."""
+        if blocks is None or not self._promote_by_ref:
+            self.promotions["reread"] += 1
+            return await self._call("promote", tenant, hashes, shard_key=chain_root)
+        import ray
+
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        data, lengths = block_arrays(blocks)
+        ref = await asyncio.to_thread(ray.put, data)
+        del data
+        self.promotions["by_ref"] += 1
+        return await self._call(
+            "promote", tenant, hashes, shard_key=chain_root, refs=[ref], lengths=lengths, node_id=self._node
+        )
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` on the current loop, held in ``_pending`` until it ends."""

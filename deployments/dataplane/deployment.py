@@ -208,7 +208,10 @@ class _Metrics:
             "L3 blocks of a read left to the worker, which reads them from Redis itself (dataplane.direct_l3_reads).",
         )
         self.promoted = m.Counter(
-            "llm_dataplane_promoted_blocks", "Blocks a worker read from Redis itself, then brought up to L2 on its word."
+            "llm_dataplane_promoted_blocks",
+            "Blocks a worker read from Redis itself, then brought up to L2 on its word, by where L2's copy came "
+            "from (worker: the bytes the worker read, handed over through the object store; redis: read again).",
+            tag_keys=("source",),
         )
         self.written_behind = m.Counter("llm_dataplane_written_behind_blocks", "Blocks written from L2 to Redis.")
         self.write_behind_deferred = m.Counter(
@@ -1468,34 +1471,50 @@ class DataPlane(DrainsOnStop):
         it lives while L2 holds it). From another node Ray brings it here and it is copied
         once into an object this replica owns, so that L2 does not pin memory on the
         caller's node. Returns how many blocks were stored."""
-        import ray
-
         await self.start()
-        if not (isinstance(refs, (list, tuple)) and len(refs) == 1 and isinstance(refs[0], ray.ObjectRef)):
-            raise InvalidRequestError("refs must be a list of one ObjectRef", param="refs")
-        if len(hashes) != len(lengths):
-            raise InvalidRequestError(f"{len(hashes)} hashes but {len(lengths)} lengths", param="lengths")
-        # Mapped from this node's object store (brought here first if it lies elsewhere).
-        # A caller that died before this (its object with it) fails the call: a save
-        # the caller's connector logs and drops.
-        async with asyncio.timeout(PUT_REF_FETCH_TIMEOUT_S):
-            value = await refs[0]
-        try:
-            arrays = _block_views(value, lengths)
-        except TypeError as e:
-            raise InvalidRequestError(f"refs must hold a list of byte arrays: {e}", param="refs") from None
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="lengths") from None
-        if self._object_store and node_id is not None and node_id == self._node_id():
+        arrays = await self._map_caller_object(hashes, refs, lengths)
+        if self._kept_by_reference(node_id):
             group, mode = _Resident(refs[0], arrays), "ref"
             blocks = list(group.views)
         else:
             (blocks, group), mode = _own_blocks(arrays, self._object_store), "copy"
-        del value, arrays
+        del arrays
         nbytes = sum(int(n) for n in lengths)
         self._counts[f"put_bytes_{mode}"] += nbytes
         self._m.inc("put_bytes", nbytes, tags={"mode": mode})
         return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key, group, mode)
+
+    async def _map_caller_object(self, hashes: list[str], refs, lengths) -> list:
+        """The blocks of a caller's object (``refs``: ``[ObjectRef]`` of a list of uint8
+        arrays, ``blocks.block_arrays``), mapped here as read-only arrays and checked
+        against ``lengths``; InvalidRequestError for a malformed call. Mapped from this
+        node's object store (brought here first if it lies elsewhere); a caller that died
+        before this, its object with it, fails the call."""
+        self._check_ref_args(hashes, refs, lengths)
+        async with asyncio.timeout(PUT_REF_FETCH_TIMEOUT_S):
+            value = await refs[0]
+        try:
+            return _block_views(value, lengths)
+        except TypeError as e:
+            raise InvalidRequestError(f"refs must hold a list of byte arrays: {e}", param="refs") from None
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lengths") from None
+
+    @staticmethod
+    def _check_ref_args(hashes: list[str], refs, lengths) -> None:
+        """InvalidRequestError unless ``refs`` is ``[ObjectRef]`` and ``lengths`` one per hash."""
+        import ray
+
+        if not (isinstance(refs, (list, tuple)) and len(refs) == 1 and isinstance(refs[0], ray.ObjectRef)):
+            raise InvalidRequestError("refs must be a list of one ObjectRef", param="refs")
+        if not isinstance(lengths, (list, tuple)) or len(hashes) != len(lengths):
+            raise InvalidRequestError(f"{len(hashes)} hashes but lengths {lengths!r:.40}", param="lengths")
+
+    def _kept_by_reference(self, node_id: Optional[str]) -> bool:
+        """Whether L2 keeps a caller's object as it is: it lies in this node's object
+        store. One from another node is copied once into an object this replica owns, so
+        that L2 does not pin memory on the caller's node."""
+        return self._object_store and node_id is not None and node_id == self._node_id()
 
     def _node_id(self) -> Optional[str]:
         if self._node is None:
@@ -1511,12 +1530,77 @@ class DataPlane(DrainsOnStop):
         return await self._bring_up(tenant, hashes, "prefetched")
 
     async def promote(
-        self, tenant: str, hashes: list[str], *, shard_key: Optional[str] = None
+        self,
+        tenant: str,
+        hashes: list[str],
+        *,
+        shard_key: Optional[str] = None,
+        refs: Optional[list] = None,
+        lengths: Optional[list[int]] = None,
+        node_id: Optional[str] = None,
     ) -> int:
-        """:meth:`prefetch` of blocks a worker has just read from Redis itself
-        (``direct_l3``): in use, so they come up to L2 as blocks this replica read would
-        (counted as ``promoted``, not as prefetches). How many are now in L2."""
-        return await self._bring_up(tenant, hashes, "promoted")
+        """Blocks a worker has just read from Redis itself (``direct_l3``) brought up to
+        L2: in use, so they come up as blocks this replica read would (counted as
+        ``promoted``, not as prefetches). How many are now in L2.
+
+        With ``refs`` (``[ObjectRef]`` of the blocks the worker read, as
+        :meth:`put_block_refs` takes them, with ``lengths`` and ``node_id``) L2 takes the
+        worker's bytes instead of reading Redis again: only blocks whose index entry
+        Redis still has at their length (a delete since the worker's read erased it
+        first), each checked here as every block L2 takes. Without, this replica reads
+        them from Redis (:meth:`prefetch`'s read)."""
+        if refs is None:
+            return await self._bring_up(tenant, hashes, "promoted")
+        self._check_ref_args(hashes, refs, lengths)
+        await self.start()
+        l2_keys = [keys.block_key(tenant, h) for h in hashes]
+        missing = [i for i, k in enumerate(l2_keys) if k not in self._l2]
+        if missing:
+            with self._tracer.start_as_current_span(
+                "dataplane.promote", attributes={"llm.kv.blocks": len(missing), "llm.kv.promote_source": "worker"}
+            ) as span:
+                promoted = await self._promote_given(tenant, hashes, l2_keys, missing, refs, lengths, node_id)
+                span.set_attribute("llm.kv.promoted_blocks", promoted)
+        return sum(k in self._l2 for k in l2_keys)
+
+    async def _promote_given(
+        self, tenant: str, hashes: list[str], l2_keys: list[str], missing: list[int], refs, lengths, node_id
+    ) -> int:
+        arrays = await self._map_caller_object(hashes, refs, lengths)
+        # Checked against Redis after the mapping's wait, just before L2 takes them: a
+        # session's delete erases index entries before payloads, and L2 after both.
+        try:
+            sizes = await self._redis(KV, self._store.block_sizes, tenant, [hashes[i] for i in missing])
+        except RedisUnavailable:
+            sizes = [None] * len(missing)  # not known to be in L3: left where they are
+        wanted = [
+            i for i, size in zip(missing, sizes)
+            if size is not None and size == len(arrays[i]) and l2_keys[i] not in self._l2  # not put meanwhile
+        ]
+        good = [i for i in wanted if self._verify(arrays[i], TIER_L3)]
+        if len(good) < len(missing):
+            logger.debug(
+                "DataPlane: promotion of %d blocks of %s with the worker's bytes: %d taken, %d no longer in Redis "
+                "(or of another length) or put meanwhile, %d corrupt",
+                len(missing), tenant, len(good), len(missing) - len(wanted), len(wanted) - len(good),
+            )
+        if not good:
+            return 0
+        if len(good) == len(arrays) and self._kept_by_reference(node_id):
+            group = _Resident(refs[0], arrays)
+            views = list(group.views)
+        else:
+            # Part of the object (or one from another node): a copy of that part, so
+            # that L2 does not keep the rest alive.
+            views, group = _own_blocks([arrays[i] for i in good], self._object_store)
+        del arrays
+        for i, view in zip(good, views):
+            await self._put_l2(l2_keys[i], view, dirty=False, group=group)
+        self._counts["promoted"] += len(good)
+        self._counts["promoted_from_worker"] += len(good)
+        self._m.inc("promoted", len(good), tags={"source": "worker"})
+        self._m.set("l2_used", self._l2.used_bytes)
+        return len(good)
 
     async def _bring_up(self, tenant: str, hashes: list[str], why: str) -> int:
         await self.start()
@@ -1548,7 +1632,7 @@ class DataPlane(DrainsOnStop):
                 if why == "prefetched":
                     self._prefetched.add(l2_keys[i])
             self._counts[why] += len(good)
-            self._m.inc(why, len(good))
+            self._m.inc(why, len(good), tags={"source": "redis"} if why == "promoted" else None)
         return sum(k in self._l2 for k in l2_keys)
 
     async def drop_l2_blocks(

@@ -508,24 +508,35 @@ async def test_a_put_by_reference_from_another_node_is_copied_and_bad_ones_are_r
     assert (await DataPlaneKVConnector(dataplane, BLOCK_SIZE).lookup(tenant, bad)).num_blocks == 0
 
 
-async def test_connector_reads_l3_itself_and_the_replica_promotes_it(dataplane, redis_server):  # noqa: F811
+@pytest.mark.parametrize("by_ref", [True, False], ids=["worker-bytes", "reread"])
+async def test_connector_reads_l3_itself_and_the_replica_promotes_it(dataplane, redis_server, redis_client, by_ref):  # noqa: F811
     """``direct_l3_reads``: after a flush the worker's connector reads the blocks from
     Redis itself (the data plane hands over hashes, no reference and no copy), and a
-    moment later the owning replica has them in L2 again, handed out by reference."""
+    moment later the owning replica has them in L2 again, handed out by reference. The
+    promotion takes the bytes the worker read, through the object store: Redis does not
+    send them a second time. Without the worker's bytes (none kept for promotions: a
+    budget of 0) the replica reads them from Redis again."""
     from deployments.dataplane.redis_store import BlockReader
 
     tenant = tenant_name()
     config = AppConfig.model_validate(dataplane_args(redis_server.url))
     reader = BlockReader.from_config(config.dataplane.redis)
-    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE, l3_reader=reader, promote_delay_s=0.1)
+    conn = DataPlaneKVConnector(
+        dataplane, BLOCK_SIZE, l3_reader=reader, promote_delay_s=0.1, promote_hold_bytes=64 << 20 if by_ref else 0
+    )
     try:
-        hashes, blocks = make_blocks(tenant, 5, seed=9)
+        hashes, _ = make_blocks(tenant, 5, seed=9)
+        blocks = big_blocks(5, seed=9)
+        nbytes = sum(len(b) for b in blocks)
         conn.save(tenant, hashes, blocks)
         await conn.drain()
         await dataplane.flush_l2.remote(shard_key=hashes[0])
 
         async def stats():
             return await dataplane.stats.remote(shard_key=hashes[0])
+
+        def sent_by_redis() -> int:
+            return int(redis_client.info("stats")["total_net_output_bytes"])
 
         before = await stats()
         hit = await conn.lookup(tenant, hashes)
@@ -538,16 +549,74 @@ async def test_connector_reads_l3_itself_and_the_replica_promotes_it(dataplane, 
         assert mid.get("handoff_bytes_ref", 0) == before.get("handoff_bytes_ref", 0)
         assert conn.bandwidth_bytes_per_s(TIER_L3) > 0
 
+        sent = sent_by_redis()
         await conn.drain()  # the promotion
+        sent = sent_by_redis() - sent
         after = await stats()
         assert after["promoted"] - before.get("promoted", 0) == 5
+        from_worker = after.get("promoted_from_worker", 0) - before.get("promoted_from_worker", 0)
+        if by_ref:
+            assert conn.promotions == {"by_ref": 1, "reread": 0}
+            assert from_worker == 5
+            assert sent < nbytes / 4, (sent, nbytes)  # index entries and replies, not the blocks
+        else:
+            assert conn.promotions == {"by_ref": 0, "reread": 1}
+            assert from_worker == 0
+            assert sent >= nbytes, (sent, nbytes)
+        assert conn._promote_held == 0
         assert (await conn.lookup(tenant, hashes)).tier == TIER_L2
         assert await conn.load(tenant, hashes) == blocks
-        nbytes = sum(len(b) for b in blocks)
         assert (await stats())["handoff_bytes_ref"] - after.get("handoff_bytes_ref", 0) == nbytes
         assert conn.direct_l3["reads"] == 1
     finally:
         await reader.close()
+
+
+async def test_a_promotion_with_the_workers_bytes_takes_only_sound_blocks_still_in_redis(dataplane):  # noqa: F811
+    """``promote`` with the worker's object: blocks whose index entry Redis no longer
+    has (deleted since the worker's read, or never written) and blocks that fail their
+    check stay out of L2; the rest come up, copied out of the worker's object (L2 must
+    not keep the whole object alive for part of it); a malformed call is refused."""
+    import ray
+
+    from app.errors import InvalidRequestError
+    from deployments.dataplane.blocks import block_arrays
+
+    tenant = tenant_name()
+    hashes = [f"prom{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
+    blocks = big_blocks(4, seed=31)
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    assert await conn.put(tenant, hashes[:3], blocks[:3], chain_root=hashes[0]) == 3
+    await dataplane.flush_l2.remote(shard_key=hashes[0])  # written to Redis, L2 emptied
+
+    async def stats():
+        return await dataplane.stats.remote(shard_key=hashes[0])
+
+    corrupt = bytearray(blocks[1])
+    corrupt[-1] ^= 0xFF
+    arrays, lengths = block_arrays([blocks[0], bytes(corrupt), blocks[2], blocks[3]])
+    node = ray.get_runtime_context().get_node_id()
+    before = await stats()
+    in_l2 = await dataplane.promote.remote(
+        tenant, hashes, refs=[ray.put(arrays)], lengths=lengths, node_id=node, shard_key=hashes[0]
+    )
+    after = await stats()
+    assert in_l2 == 2  # hashes[0] and [2]: [1] failed its check, [3] is not in Redis
+    assert after["promoted_from_worker"] - before.get("promoted_from_worker", 0) == 2
+    assert after["corrupt_blocks"] - before.get("corrupt_blocks", 0) == 1
+    assert after.get("put_bytes_ref", 0) == before.get("put_bytes_ref", 0)  # promotions are not puts
+    hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])
+    assert (hit.num_blocks, hit.tier) == (3, TIER_L3)  # [1] is still in Redis, intact
+    got = await dataplane.get_block_refs.remote(tenant, [hashes[0], hashes[2]], shard_key=hashes[0])
+    from deployments.dataplane.connector import resolve_block_refs
+
+    assert [bytes(b) for b in await resolve_block_refs(got)] == [blocks[0], blocks[2]]
+    assert (await dataplane.lookup_prefix.remote(tenant, hashes[3:], shard_key=hashes[0])).num_blocks == 0
+
+    with pytest.raises(InvalidRequestError, match="refs"):
+        await dataplane.promote.remote(tenant, hashes, refs=[b"not a reference"], lengths=lengths, shard_key=hashes[0])
+    with pytest.raises(InvalidRequestError, match="lengths"):
+        await dataplane.promote.remote(tenant, hashes, refs=[ray.put(arrays)], lengths=lengths[:2], shard_key=hashes[0])
 
 
 async def test_a_chain_continued_later_stays_on_one_shard(dataplane):

@@ -24,7 +24,11 @@ actor (``dataplane.direct_calls``); the put and the L3 read are also measured wi
 call through the Serve handle (``put_through_serve``, ``get_l3_through_serve``: the form
 before 2026-12-06's sixteenth session), before ours in odd rounds and after them in even
 ones; and the calls alone, both ways (``calls_per_s_*``: ``get_block_refs`` answered
-without a Redis read, 4 and 16 in flight). On one
+without a Redis read, 4 and 16 in flight). The promotion a worker asks for after an L3
+read of its own, of the same blocks, both ways (``measure_promotions``): with the
+worker's bytes through the object store (``promote_from_worker``, the default since
+2026-12-07) and read from Redis again by the data plane (``promote_reread``), with the
+bytes Redis sent for each. On one
 node the worker's read maps the data plane's copy without moving the bytes; across
 nodes Ray would move them, which this single-machine figure does not include.
 Peer: ``redis-benchmark -t set,get -d SIZE -c CONCURRENCY`` against the redis-server
@@ -282,6 +286,7 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
     )
     assert all(v is not None for r in got for v in r), "a block went missing from L3"
     await flush_all(handle)
+    promotions = await measure_promotions(handle, groups, concurrency, total, tenant, kv_url, cpu, strict_first)
     # The data plane's own read from Redis: an MGET, its copy into the object store,
     # mapped here (as with direct_l3_reads off, and as a fallback).
     get_l3_dataplane_gbps, got = await _timed(
@@ -342,7 +347,41 @@ async def run_ours(handle, blocks, hashes, batch: int, concurrency: int, tenant:
         "get_l3_through_dataplane": get_l3_dataplane_gbps,
         "get_l2_during_write_behind": get_busy_gbps,
         "get_l2_packed": get_l2_packed_gbps,
+        **promotions,
     }
+
+
+async def measure_promotions(handle, groups, concurrency: int, total: int, tenant: str, kv_url: str, cpu: dict,
+                             reread_first: bool) -> dict:
+    """The promotion a worker asks for after reading blocks from L3 itself
+    (``DataPlaneKVConnector.promote``), both ways, of blocks only in Redis: with the
+    worker's bytes (``promote_from_worker``: one copy into the object store here, the
+    data plane checks them and Redis only their index entries) and read from Redis again
+    by the data plane (``promote_reread``: the form before 2026-12-07). GB/s, the CPU
+    seconds per GB of each part of the machine (``cpu``), and the bytes Redis sent per
+    byte promoted (``*_redis_bytes_per_byte``); in the order given, L2 emptied after each."""
+    import redis.asyncio as aioredis
+
+    from deployments.dataplane.connector import DataPlaneKVConnector
+
+    promoter = DataPlaneKVConnector(handle, 16, timeout_s=120, promote_by_ref=True)
+    kv = aioredis.Redis.from_url(kv_url)
+    out = {}
+    try:
+        for name in ("promote_reread", "promote_from_worker")[:: 1 if reread_first else -1]:
+            def promote(g, with_blocks=name == "promote_from_worker"):
+                return lambda: promoter.promote(tenant, g[0], g[1] if with_blocks else None, chain_root=g[0][0])
+
+            sent = int((await kv.info("stats"))["total_net_output_bytes"])
+            out[name], in_l2 = await _timed([promote(g) for g in groups], concurrency, total, cpu=cpu, name=name)
+            sent = int((await kv.info("stats"))["total_net_output_bytes"]) - sent
+            assert in_l2 == [len(g[0]) for g in groups], f"{name}: {sum(in_l2)} of {sum(len(g[0]) for g in groups)} blocks in L2"
+            out[f"{name}_redis_bytes_per_byte"] = sent / total
+            await flush_all(handle)
+    finally:
+        await kv.aclose()
+    assert promoter.promotions == {"by_ref": len(groups), "reread": len(groups)}, promoter.promotions
+    return out
 
 
 async def calls_per_s(connector, tenant: str, in_flight: int, n: int = 400) -> float:
@@ -655,6 +694,7 @@ def main(argv=None) -> int:
                 # The same data plane's calls straight to replicas and through Serve, side by side.
                 ratios["put_over_put_through_serve"] = ours["put"] / ours["put_through_serve"]
                 ratios["get_l3_over_get_l3_through_serve"] = ours["get_l3"] / ours["get_l3_through_serve"]
+                ratios["promote_from_worker_over_reread"] = ours["promote_from_worker"] / ours["promote_reread"]
                 for in_flight in (args.concurrency, 4 * args.concurrency):
                     ratios[f"calls_per_s_direct_over_through_serve_{in_flight}"] = (
                         ours[f"calls_per_s_direct_{in_flight}"] / ours[f"calls_per_s_through_serve_{in_flight}"]

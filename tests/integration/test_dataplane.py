@@ -576,7 +576,8 @@ async def test_a_promotion_with_the_workers_bytes_takes_only_sound_blocks_still_
     """``promote`` with the worker's object: blocks whose index entry Redis no longer
     has (deleted since the worker's read, or never written) and blocks that fail their
     check stay out of L2; the rest come up, copied out of the worker's object (L2 must
-    not keep the whole object alive for part of it); a malformed call is refused."""
+    not keep the whole object alive for part of it), and a whole object from this node is
+    kept as it is; a malformed call is refused."""
     import ray
 
     from app.errors import InvalidRequestError
@@ -597,9 +598,8 @@ async def test_a_promotion_with_the_workers_bytes_takes_only_sound_blocks_still_
     arrays, lengths = block_arrays([blocks[0], bytes(corrupt), blocks[2], blocks[3]])
     node = ray.get_runtime_context().get_node_id()
     before = await stats()
-    in_l2 = await dataplane.promote.remote(
-        tenant, hashes, refs=[ray.put(arrays)], lengths=lengths, node_id=node, shard_key=hashes[0]
-    )
+    given = ray.put(arrays)
+    in_l2 = await dataplane.promote.remote(tenant, hashes, refs=[given], lengths=lengths, node_id=node, shard_key=hashes[0])
     after = await stats()
     assert in_l2 == 2  # hashes[0] and [2]: [1] failed its check, [3] is not in Redis
     assert after["promoted_from_worker"] - before.get("promoted_from_worker", 0) == 2
@@ -607,11 +607,28 @@ async def test_a_promotion_with_the_workers_bytes_takes_only_sound_blocks_still_
     assert after.get("put_bytes_ref", 0) == before.get("put_bytes_ref", 0)  # promotions are not puts
     hit = await dataplane.lookup_prefix.remote(tenant, hashes, shard_key=hashes[0])
     assert (hit.num_blocks, hit.tier) == (3, TIER_L3)  # [1] is still in Redis, intact
-    got = await dataplane.get_block_refs.remote(tenant, [hashes[0], hashes[2]], shard_key=hashes[0])
     from deployments.dataplane.connector import resolve_block_refs
 
+    def sources(segments) -> set[str]:
+        return {src.hex() for src, _ in segments if isinstance(src, ray.ObjectRef)}
+
+    got = await dataplane.get_block_refs.remote(tenant, [hashes[0], hashes[2]], shard_key=hashes[0])
     assert [bytes(b) for b in await resolve_block_refs(got)] == [blocks[0], blocks[2]]
+    assert len(sources(got)) == 1 and given.hex() not in sources(got)  # a copy of the two
     assert (await dataplane.lookup_prefix.remote(tenant, hashes[3:], shard_key=hashes[0])).num_blocks == 0
+
+    # Every block of the object wanted, from this node: L2 keeps the worker's object.
+    whole = [f"whole{i}-{uuid.uuid4().hex[:8]}" for i in range(2)]
+    assert await conn.put(tenant, whole, blocks[:2], chain_root=whole[0]) == 2
+    await dataplane.flush_l2.remote(shard_key=whole[0])
+    arrays, lengths = block_arrays(blocks[:2])
+    given = ray.put(arrays)
+    assert await dataplane.promote.remote(
+        tenant, whole, refs=[given], lengths=lengths, node_id=node, shard_key=whole[0]
+    ) == 2
+    got = await dataplane.get_block_refs.remote(tenant, whole, shard_key=whole[0])
+    assert sources(got) == {given.hex()}
+    assert [bytes(b) for b in await resolve_block_refs(got)] == blocks[:2]
 
     with pytest.raises(InvalidRequestError, match="refs"):
         await dataplane.promote.remote(tenant, hashes, refs=[b"not a reference"], lengths=lengths, shard_key=hashes[0])

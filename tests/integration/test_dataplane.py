@@ -431,6 +431,61 @@ async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(datapl
     assert await conn.load(tenant, hashes) == blocks
 
 
+async def test_blocks_promoted_with_a_workers_bytes_outlive_the_worker(dataplane, redis_server, redis_client):  # noqa: F811
+    """A worker that read blocks from L3 itself hands them to the data plane for their
+    promotion (its object, kept by reference); when the worker is gone they still come
+    back whole from L2, and Redis's copies are untouched."""
+    import numpy as np
+    import ray
+
+    tenant = tenant_name()
+    hashes = [f"promgone{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
+    blocks = big_blocks(4, seed=41)
+    conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
+    assert await conn.put(tenant, hashes, blocks) == 4
+    await dataplane.flush_l2.remote(shard_key=hashes[0])
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        async def read(self, handle, redis_url, tenant, hashes):
+            from deployments.dataplane.redis_store import BlockReader
+
+            reader = BlockReader.from_config(AppConfig.model_validate(dataplane_args(redis_url)).dataplane.redis)
+            worker_conn = DataPlaneKVConnector(handle, BLOCK_SIZE, l3_reader=reader, promote_delay_s=0.05)
+            try:
+                got = await worker_conn.load(tenant, hashes)
+                await worker_conn.drain()  # the promotion
+                return [bytes(b) for b in got], worker_conn.direct_l3["reads"], worker_conn.promotions
+            finally:
+                await reader.close()
+
+    async def stats():
+        return await dataplane.stats.remote(shard_key=hashes[0])
+
+    before = await stats()
+    worker = Worker.remote()
+    got, reads, promotions = await worker.read.remote(dataplane, redis_server.url, tenant, hashes)
+    assert got == blocks and reads == 1 and promotions == {"by_ref": 1, "reread": 0}
+    assert (await stats())["promoted_from_worker"] - before.get("promoted_from_worker", 0) == 4
+    assert (await conn.lookup(tenant, hashes)).tier == TIER_L2
+    ray.kill(worker)
+
+    async def worker_gone():
+        try:
+            await worker.__ray_ready__.remote()
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+
+    await eventually(worker_gone)
+    churn = [ray.put(np.full(4 << 20, 9, dtype=np.uint8)) for _ in range(8)]  # reuse freed memory
+    del churn
+    assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
+    data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
+    assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks
+    assert [redis_client.get(keys.block_key(tenant, h)) for h in hashes] == blocks
+
+
 async def test_a_connectors_calls_go_straight_to_the_replica_that_owns_the_key(dataplane):  # noqa: F811
     """A worker's KV calls go to the owner replica's actor itself (Serve's plain call,
     without the caller's Serve router), on the ring Serve's router uses: the put lands

@@ -755,6 +755,17 @@ class DataPlaneConfig(_Strict):
         "up to L2; off: the data plane reads them and hands them over through the object "
         "store. vLLM's connector always reads Redis itself.",
     )
+    promote_hold_bytes: int = Field(
+        default=64 << 20,
+        ge=0,
+        le=1 << 40,
+        description="A torch worker that read blocks from Redis itself keeps up to this many "
+        "bytes of those reads until their promotion a second later, and hands the data plane "
+        "its bytes through the object store (one copy in the worker) instead of having it read "
+        "them from Redis again: Redis sends each L3 hit once. Reads past it, and every read "
+        "with 0, are promoted by the data plane's own read. The reads' buffers come from the "
+        "worker's KV arena, so at most a quarter of engine.kv_arena_bytes is kept.",
+    )
     direct_calls: bool = Field(
         default=True,
         description="Workers send their KV calls (lookups, reads, puts, promotions), and the "

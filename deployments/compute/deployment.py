@@ -87,6 +87,16 @@ def _process_age_s() -> float:
         return float("nan")
 
 
+def promote_hold_bytes(config: AppConfig) -> int:
+    """The bytes of its own L3 reads a torch worker keeps for their promotions
+    (``dataplane.promote_hold_bytes``): at most a quarter of its KV arena, whose buffers
+    they are (the rest stays for the sequences' caches)."""
+    hold = config.dataplane.promote_hold_bytes
+    if config.engine.kv_arena_bytes:
+        hold = min(hold, config.engine.kv_arena_bytes // 4)
+    return hold
+
+
 class ComputeWorker(DrainsOnStop):
     """Serve deployment class (bound in ``app.builder``)."""
 
@@ -133,7 +143,8 @@ class ComputeWorker(DrainsOnStop):
                 # Its reply buffers come from the engine's KV arena (no page faults).
                 reader = BlockReader.from_config(dc.kv_redis or dc.redis, buffer=host_bytes)
             kv_connector = DataPlaneKVConnector(
-                dataplane, dc.block_size, l3_reader=reader, direct_calls=None if dc.direct_calls else False
+                dataplane, dc.block_size, l3_reader=reader, direct_calls=None if dc.direct_calls else False,
+                promote_hold_bytes=promote_hold_bytes(self._config),
             )
         self._kv_connector = kv_connector
         phase("connector")

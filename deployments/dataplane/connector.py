@@ -30,6 +30,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from app import telemetry
+from app.config import DataPlaneConfig
 from app.host_memory import minor_faults
 from deployments.compute.engines.kv import (
     TIER_L2,
@@ -57,12 +58,12 @@ DIRECT_L3_RETRY_S = 10.0
 # How long after a direct L3 read its blocks are promoted into L2: after the request's
 # prefill, before the session's next turn (which a person types).
 PROMOTE_DELAY_S = 1.0
-# The bytes of direct L3 reads a connector keeps for their promotions at most: the data
-# plane then takes the worker's copy (through the object store) instead of reading
-# Redis again. A read past it is promoted by the data plane's own read, as before. The
-# blocks' buffers (in a torch worker, from its KV arena) stay in use until the promotion
-# (PROMOTE_DELAY_S), so this bounds what they keep from the arena.
-PROMOTE_HOLD_BYTES = 64 << 20
+# The bytes of direct L3 reads a connector keeps for their promotions at most, by
+# default (``dataplane.promote_hold_bytes``): the data plane then takes the worker's copy
+# (through the object store) instead of reading Redis again. A read past it is promoted
+# by the data plane's own read, as before. The blocks' buffers (in a torch worker, from
+# its KV arena) stay in use until the promotion (PROMOTE_DELAY_S): this bounds them.
+PROMOTE_HOLD_BYTES = DataPlaneConfig.model_fields["promote_hold_bytes"].default
 
 
 def _remember(entries: OrderedDict, key, value, limit: int) -> None:

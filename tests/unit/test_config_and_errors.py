@@ -435,3 +435,23 @@ def test_text_parts_are_joined_by_newlines_and_chat_echo_takes_the_last_message_
     cont = {**CHAT_REQ, "messages": [parts, prefill], "add_generation_prompt": False, "continue_final_message": True}
     assert ChatCompletionRequest.model_validate({**cont, "echo": True}).echo_text() == "So far"
     assert ChatCompletionRequest.model_validate(cont).echo_text() == ""
+
+
+def test_a_workers_reads_kept_for_their_promotion_take_at_most_a_quarter_of_its_kv_arena():
+    """``dataplane.promote_hold_bytes`` as a torch worker's connector gets it: the reads'
+    buffers are KV-arena buffers, so a quarter of the arena at most; 0 keeps none (the
+    data plane reads Redis again); a negative value is refused."""
+    from deployments.compute.deployment import promote_hold_bytes
+    from deployments.dataplane.connector import PROMOTE_HOLD_BYTES
+
+    def hold(dataplane: dict, arena: int) -> int:
+        return promote_hold_bytes(AppConfig.model_validate({"dataplane": dataplane, "engine": {"kv_arena_bytes": arena}}))
+
+    assert AppConfig().dataplane.promote_hold_bytes == PROMOTE_HOLD_BYTES == 64 << 20
+    assert hold({}, 256 << 20) == 64 << 20
+    assert hold({}, 128 << 20) == 32 << 20
+    assert hold({"promote_hold_bytes": 8 << 20}, 256 << 20) == 8 << 20
+    assert hold({}, 0) == 64 << 20  # no arena: the reads' buffers are malloc's
+    assert hold({"promote_hold_bytes": 0}, 256 << 20) == 0
+    with pytest.raises(ValidationError):
+        AppConfig.model_validate({"dataplane": {"promote_hold_bytes": -1}})

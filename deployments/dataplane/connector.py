@@ -314,7 +314,8 @@ class DataPlaneKVConnector(KVConnector):
 
     async def _read_l3(self, tenant: str, hashes: list[str], root: str) -> Optional[list]:
         """``hashes`` read from Redis and checked, then promoted into L2 (not awaited,
-        after ``promote_delay_s``); None if any is missing or corrupt, or Redis cannot be
+        after ``promote_delay_s``; with the bytes read, kept until then within
+        ``promote_hold_bytes``); None if any is missing or corrupt, or Redis cannot be
         reached."""
         with _tracer.start_as_current_span("kv.direct_l3_read", attributes={"llm.kv.blocks": len(hashes)}) as span:
             views = await self._read_checked(tenant, hashes)

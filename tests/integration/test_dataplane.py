@@ -379,11 +379,30 @@ def big_blocks(n: int, seed: int, nbytes: int = 64 << 10) -> list[bytes]:
     ]
 
 
+async def kill_and_churn(worker) -> None:
+    """Kill ``worker`` (an actor that owns objects the data plane keeps), wait until it is
+    gone, then churn the object store's memory: what L2 maps must not be reused."""
+    import numpy as np
+    import ray
+
+    ray.kill(worker)
+
+    async def worker_gone():
+        try:
+            await worker.__ray_ready__.remote()
+            return False
+        except ray.exceptions.RayActorError:
+            return True
+
+    await eventually(worker_gone)
+    churn = [ray.put(np.full(4 << 20, 7, dtype=np.uint8)) for _ in range(8)]
+    del churn
+
+
 async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(dataplane, redis_client):  # noqa: F811
     """A worker's save puts its blocks into the object store once and the data plane
     keeps that object (no copy of its own); when the worker is gone the blocks still
     come back whole, from L2 and, after write-behind, from L3."""
-    import numpy as np
     import ray
 
     tenant = tenant_name()
@@ -408,19 +427,7 @@ async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(datapl
 
     conn = DataPlaneKVConnector(dataplane, BLOCK_SIZE)
     assert await conn.load(tenant, hashes) == blocks
-    ray.kill(worker)
-
-    async def worker_gone():
-        try:
-            await worker.__ray_ready__.remote()
-            return False
-        except ray.exceptions.RayActorError:
-            return True
-
-    await eventually(worker_gone)
-    # The store's memory churned after the owner died: what L2 maps must not be reused.
-    churn = [ray.put(np.full(4 << 20, 7, dtype=np.uint8)) for _ in range(8)]
-    del churn
+    await kill_and_churn(worker)
     assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
     data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
     assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks
@@ -435,7 +442,6 @@ async def test_blocks_promoted_with_a_workers_bytes_outlive_the_worker(dataplane
     """A worker that read blocks from L3 itself hands them to the data plane for their
     promotion (its object, kept by reference); when the worker is gone they still come
     back whole from L2, and Redis's copies are untouched."""
-    import numpy as np
     import ray
 
     tenant = tenant_name()
@@ -468,18 +474,7 @@ async def test_blocks_promoted_with_a_workers_bytes_outlive_the_worker(dataplane
     assert got == blocks and reads == 1 and promotions == {"by_ref": 1, "reread": 0}
     assert (await stats())["promoted_from_worker"] - before.get("promoted_from_worker", 0) == 4
     assert (await conn.lookup(tenant, hashes)).tier == TIER_L2
-    ray.kill(worker)
-
-    async def worker_gone():
-        try:
-            await worker.__ray_ready__.remote()
-            return False
-        except ray.exceptions.RayActorError:
-            return True
-
-    await eventually(worker_gone)
-    churn = [ray.put(np.full(4 << 20, 9, dtype=np.uint8)) for _ in range(8)]  # reuse freed memory
-    del churn
+    await kill_and_churn(worker)
     assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
     data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
     assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks

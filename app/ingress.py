@@ -188,6 +188,40 @@ NO_STORED_RESPONSES = ("This server stores no responses (dataplane.enabled is fa
 AUTH_LOG_INTERVAL_S = 10.0
 
 
+# How long /ready waits for the data-plane replicas' answers (a probe's own timeout is
+# usually a few seconds more).
+READY_STATUS_TIMEOUT_S = 5.0
+# A data-plane replica's state, worst first: what /ready's "dataplane" says for the pool.
+DATAPLANE_STATES = ("degraded", "refusing_writes", "ok")
+
+
+def dataplane_readiness(answers: Sequence) -> dict:
+    """What /ready says of the data plane, from every replica's ``DataPlane.status`` (an
+    exception in place of a replica that did not answer). The pool's state is its worst
+    replica's: one replica still reconnecting after an outage keeps the pool "degraded",
+    since the sessions it owns are still kept in its memory only. The roles named are
+    those of any replica; ``dataplane_replicas`` counts the replicas in each state.
+    "unavailable" when no replica answered."""
+    counts = dict.fromkeys((*DATAPLANE_STATES, "unanswered"), 0)
+    degraded: set[str] = set()
+    refusing: set[str] = set()
+    for answer in answers:
+        if not isinstance(answer, dict):
+            counts["unanswered"] += 1
+            continue
+        degraded.update(answer.get("degraded_servers") or ())
+        refusing.update(answer.get("refusing_writes") or ())
+        state = "degraded" if answer.get("degraded") else "refusing_writes" if answer.get("refusing_writes") else "ok"
+        counts[state] += 1
+    body = {"dataplane": next((s for s in DATAPLANE_STATES if counts[s]), "unavailable")}
+    if degraded:
+        body["dataplane_degraded"] = sorted(degraded)
+    if refusing:
+        body["dataplane_refusing_writes"] = sorted(refusing)
+    body["dataplane_replicas"] = counts
+    return body
+
+
 def template_messages(req: ChatCompletionRequest) -> list[dict]:
     """The request's messages in the form chat templates take them: text content, and the
     tool fields (an assistant's calls with their arguments as objects, a tool message's
@@ -2207,18 +2241,26 @@ class IngressDeployment(Ingress, GrpcIngress):
         body = {"status": "ready", "model": self._config.model.id}
         if self._dataplane is not None:
             # Redis being down degrades the data plane to memory only; still ready.
-            try:
-                status = await asyncio.wait_for(self._dataplane.status.remote(), timeout=5.0)
-                refusing = status.get("refusing_writes")
-                body["dataplane"] = "degraded" if status.get("degraded") else "refusing_writes" if refusing else "ok"
-                if status.get("degraded_servers"):
-                    body["dataplane_degraded"] = status["degraded_servers"]
-                if refusing:
-                    body["dataplane_refusing_writes"] = refusing
-            except Exception as e:  # noqa: BLE001
-                logger.info("data plane status unavailable: %s", type(e).__name__)
-                body["dataplane"] = "unavailable"
+            body.update(await self._dataplane_readiness())
         return JSONResponse(body)
+
+    async def _dataplane_readiness(self) -> dict:
+        """:func:`dataplane_readiness` of every data-plane replica (Serve's broadcast: one
+        call each, a probe's rate). One replica's answer alone said "ok" while another
+        still kept sessions in memory after an outage, and a probe that polled /ready
+        until "ok" went on too early."""
+        with self._tracer.start_as_current_span("ingress.ready.dataplane") as span:
+            try:
+                answers = await self._dataplane.broadcast("status").results_async(
+                    timeout_s=READY_STATUS_TIMEOUT_S, return_exceptions=True
+                )
+            except Exception as e:  # noqa: BLE001 - the pool as a whole did not answer in time
+                answers = [e]
+            for failed in (a for a in answers if not isinstance(a, dict)):
+                logger.info("data plane status unavailable from a replica: %s", type(failed).__name__)
+            body = dataplane_readiness(answers)
+            span.set_attribute("llm.dataplane.state", body["dataplane"])
+            return body
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:

@@ -35,6 +35,14 @@ def test_health_ready_models(served_app):
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     ready = httpx.get(base + "/ready")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    # Every data-plane replica (the shared app runs two) answers, each with Redis up (an
+    # earlier module may have killed one: Serve's replacement joins within seconds).
+    want = {"degraded": 0, "refusing_writes": 0, "ok": 2, "unanswered": 0}
+    deadline = time.monotonic() + 30
+    while (body := httpx.get(base + "/ready").json()).get("dataplane_replicas") != want:
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+    assert body["dataplane"] == "ok"
     models = served_app.client().models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
 

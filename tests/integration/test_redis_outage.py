@@ -90,7 +90,7 @@ def test_redis_outage_under_traffic_loses_no_turn(served_app, redis_server, redi
     assert set(statuses) == {200}, statuses
     assert all(n > 0 for n in during.values()), during
     # Every acknowledged turn is in Redis (written back after the outage), in order. /ready
-    # reported one data-plane replica back; the others reconnect on their own schedule.
+    # said "ok" once every data-plane replica had written back what it kept.
     def versions():
         return {
             sid: int(redis_client.hget(keys.session_key("default", sid), "version") or -1)
@@ -149,6 +149,9 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
     session goes on in order."""
     base = served_app.base_url
     chat = {"model": served_app.model_id, "max_tokens": 4, "temperature": 0}
+    # Every replica up (an outage before this test ends with each one's reconnect): a
+    # replica still degraded would keep a write in memory, not refuse it.
+    wait_for_dataplane(base, "ok")
     with httpx.Client(base_url=base, timeout=60) as client:
         sid, spare = (client.post("/v1/sessions").json()["id"] for _ in range(2))
 
@@ -168,6 +171,8 @@ def test_a_sessions_redis_that_refuses_writes_is_a_503_that_loses_nothing(served
             expected = (200, {
                 "status": "ready", "model": served_app.model_id,
                 "dataplane": "refusing_writes", "dataplane_refusing_writes": ["kv", "sessions"],
+                # Both replicas (app_args: two), each from its own write probe.
+                "dataplane_replicas": {"degraded": 0, "refusing_writes": 2, "ok": 0, "unanswered": 0},
             })
             deadline = time.monotonic() + 10  # each replica's probe notices within a second
             while (seen := ready_body(base)) != expected:

@@ -1594,13 +1594,21 @@ class DataPlane(DrainsOnStop):
             # that L2 does not keep the rest alive.
             views, group = _own_blocks([arrays[i] for i in good], self._object_store)
         del arrays
-        for i, view in zip(good, views):
-            await self._put_l2(l2_keys[i], view, dirty=False, group=group)
-        self._counts["promoted"] += len(good)
+        await self._take_clean([l2_keys[i] for i in good], views, group, "promoted", "worker")
         self._counts["promoted_from_worker"] += len(good)
-        self._m.inc("promoted", len(good), tags={"source": "worker"})
-        self._m.set("l2_used", self._l2.used_bytes)
         return len(good)
+
+    async def _take_clean(self, l2_keys: list[str], views: list, group, why: str, source: str) -> None:
+        """Blocks that Redis holds too (``views``, of one ``group``) into L2 as clean,
+        counted as ``why`` ("prefetched", "promoted") from ``source`` ("redis": read
+        here; "worker": a worker's read handed over)."""
+        for key, view in zip(l2_keys, views):
+            await self._put_l2(key, view, dirty=False, group=group)
+            if why == "prefetched":
+                self._prefetched.add(key)
+        self._counts[why] += len(l2_keys)
+        self._m.inc(why, len(l2_keys), tags={"source": source} if why == "promoted" else None)
+        self._m.set("l2_used", self._l2.used_bytes)
 
     async def _bring_up(self, tenant: str, hashes: list[str], why: str) -> int:
         await self.start()
@@ -1627,12 +1635,7 @@ class DataPlane(DrainsOnStop):
                     continue
                 good.append((i, data))
             owned, group = _own_blocks([data for _, data in good], self._object_store)
-            for (i, _), view in zip(good, owned):
-                await self._put_l2(l2_keys[i], view, dirty=False, group=group)
-                if why == "prefetched":
-                    self._prefetched.add(l2_keys[i])
-            self._counts[why] += len(good)
-            self._m.inc(why, len(good), tags={"source": "redis"} if why == "promoted" else None)
+            await self._take_clean([l2_keys[i] for i, _ in good], owned, group, why, "redis")
         return sum(k in self._l2 for k in l2_keys)
 
     async def drop_l2_blocks(

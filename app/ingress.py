@@ -2248,7 +2248,9 @@ class IngressDeployment(Ingress, GrpcIngress):
         """:func:`dataplane_readiness` of every data-plane replica (Serve's broadcast: one
         call each, a probe's rate). One replica's answer alone said "ok" while another
         still kept sessions in memory after an outage, and a probe that polled /ready
-        until "ok" went on too early."""
+        until "ok" went on too early. A broadcast that fails as a whole (the pool's
+        answers not all in within READY_STATUS_TIMEOUT_S) is "unavailable", counted as
+        one replica unanswered: Serve's broadcast gives no partial answers."""
         with self._tracer.start_as_current_span("ingress.ready.dataplane") as span:
             try:
                 answers = await self._dataplane.broadcast("status").results_async(

@@ -329,7 +329,7 @@ class DataPlaneKVConnector(KVConnector):
         keep = self._promote_by_ref and self._promote_held + nbytes <= self._promote_hold_bytes
         if keep:
             self._promote_held += nbytes
-        self._spawn(self._promote(tenant, hashes, root, views if keep else None))
+        self._spawn(self._promote(tenant, hashes, root, views if keep else None, nbytes if keep else 0))
         return views
 
     async def _read_checked(self, tenant: str, hashes: list[str]) -> Optional[list]:
@@ -359,10 +359,12 @@ class DataPlaneKVConnector(KVConnector):
             )
         return views
 
-    async def _promote(self, tenant: str, hashes: list[str], root: str, views: Optional[list] = None) -> None:
+    async def _promote(
+        self, tenant: str, hashes: list[str], root: str, views: Optional[list] = None, held: int = 0
+    ) -> None:
         """:meth:`promote`, ``promote_delay_s`` from now; ``views`` (the blocks read) are
-        held until then within ``promote_hold_bytes`` (reserved by the caller)."""
-        held = sum(len(v) for v in views) if views is not None else 0
+        held until then within ``promote_hold_bytes``, ``held`` bytes of it reserved by
+        the caller and given back here."""
         try:
             await asyncio.sleep(self._promote_delay_s)
             await self.promote(tenant, hashes, views, chain_root=root)
@@ -379,17 +381,23 @@ class DataPlaneKVConnector(KVConnector):
         if blocks is None or not self._promote_by_ref:
             self.promotions["reread"] += 1
             return await self._call("promote", tenant, hashes, shard_key=chain_root)
-        import ray
-
-        if self._node is None:
-            self._node = ray.get_runtime_context().get_node_id()
         data, lengths = block_arrays(blocks)
-        ref = await asyncio.to_thread(ray.put, data)
+        ref = await self._object_of(data)
         del data
         self.promotions["by_ref"] += 1
         return await self._call(
             "promote", tenant, hashes, shard_key=chain_root, refs=[ref], lengths=lengths, node_id=self._node
         )
+
+    async def _object_of(self, data: list):
+        """The ObjectRef of one object in this node's object store holding ``data`` (the
+        blocks' arrays, ``block_arrays``), copied in a thread (the copy releases the GIL;
+        the loop keeps serving); ``self._node`` names this node for the data plane."""
+        import ray
+
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return await asyncio.to_thread(ray.put, data)
 
     def _spawn(self, coro) -> None:
         """Run ``coro`` on the current loop, held in ``_pending`` until it ends."""
@@ -453,11 +461,7 @@ class DataPlaneKVConnector(KVConnector):
         data, lengths = block_arrays(blocks)
         if not self._puts_by_ref:
             return await self._call("put_blocks_packed", tenant, hashes, data, lengths, session_id, shard_key=root)
-        import ray
-
-        if self._node is None:
-            self._node = ray.get_runtime_context().get_node_id()
-        ref = await asyncio.to_thread(ray.put, data)
+        ref = await self._object_of(data)
         return await self._call(
             "put_block_refs", tenant, hashes, [ref], lengths, session_id, node_id=self._node, shard_key=root
         )

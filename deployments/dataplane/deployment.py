@@ -1471,8 +1471,9 @@ class DataPlane(DrainsOnStop):
         it lives while L2 holds it). From another node Ray brings it here and it is copied
         once into an object this replica owns, so that L2 does not pin memory on the
         caller's node. Returns how many blocks were stored."""
+        self._check_ref_args(hashes, refs, lengths)
         await self.start()
-        arrays = await self._map_caller_object(hashes, refs, lengths)
+        arrays = await self._map_caller_object(refs, lengths)
         if self._kept_by_reference(node_id):
             group, mode = _Resident(refs[0], arrays), "ref"
             blocks = list(group.views)
@@ -1484,13 +1485,13 @@ class DataPlane(DrainsOnStop):
         self._m.inc("put_bytes", nbytes, tags={"mode": mode})
         return await self._store_blocks(tenant, hashes, blocks, session_id, shard_key, group, mode)
 
-    async def _map_caller_object(self, hashes: list[str], refs, lengths) -> list:
+    async def _map_caller_object(self, refs, lengths) -> list:
         """The blocks of a caller's object (``refs``: ``[ObjectRef]`` of a list of uint8
-        arrays, ``blocks.block_arrays``), mapped here as read-only arrays and checked
-        against ``lengths``; InvalidRequestError for a malformed call. Mapped from this
-        node's object store (brought here first if it lies elsewhere); a caller that died
-        before this, its object with it, fails the call."""
-        self._check_ref_args(hashes, refs, lengths)
+        arrays, ``blocks.block_arrays``; its form checked by the caller,
+        ``_check_ref_args``), mapped here as read-only arrays and checked against
+        ``lengths``; InvalidRequestError for an object that is not such a list. Mapped
+        from this node's object store (brought here first if it lies elsewhere); a caller
+        that died before this, its object with it, fails the call."""
         async with asyncio.timeout(PUT_REF_FETCH_TIMEOUT_S):
             value = await refs[0]
         try:
@@ -1566,7 +1567,7 @@ class DataPlane(DrainsOnStop):
     async def _promote_given(
         self, tenant: str, hashes: list[str], l2_keys: list[str], missing: list[int], refs, lengths, node_id
     ) -> int:
-        arrays = await self._map_caller_object(hashes, refs, lengths)
+        arrays = await self._map_caller_object(refs, lengths)
         # Checked against Redis after the mapping's wait, just before L2 takes them: a
         # session's delete erases index entries before payloads, and L2 after both.
         try:

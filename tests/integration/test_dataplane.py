@@ -14,7 +14,7 @@ from app.config import AppConfig
 from app.errors import ConflictError, NotFoundError
 from deployments.compute.engines.kv import TIER_L2, TIER_L3, block_hashes
 from deployments.dataplane import keys
-from deployments.dataplane.blocks import BlockHeader, encode_block
+from deployments.dataplane.blocks import BlockHeader, encode_block, unpack_blocks
 from deployments.dataplane.connector import DataPlaneKVConnector
 from deployments.dataplane.types import new_session_id
 from tests.fixtures.polling import eventually
@@ -430,7 +430,7 @@ async def test_a_workers_put_is_kept_by_reference_and_outlives_the_worker(datapl
     await kill_and_churn(worker)
     assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
     data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
-    assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks
+    assert [bytes(b) for b in unpack_blocks(data, lengths)] == blocks
     # Written behind from those views: Redis holds the same bytes.
     await dataplane.flush_l2.remote(shard_key=hashes[0])
     assert [redis_client.get(keys.block_key(tenant, h)) for h in hashes] == blocks
@@ -477,7 +477,7 @@ async def test_blocks_promoted_with_a_workers_bytes_outlive_the_worker(dataplane
     await kill_and_churn(worker)
     assert await conn.load(tenant, hashes) == blocks  # by reference, or inline (lost_refs)
     data, lengths = await dataplane.get_blocks_packed.remote(tenant, hashes, shard_key=hashes[0])
-    assert [bytes(data[sum(lengths[:i]) : sum(lengths[: i + 1])]) for i in range(4)] == blocks
+    assert [bytes(b) for b in unpack_blocks(data, lengths)] == blocks
     assert [redis_client.get(keys.block_key(tenant, h)) for h in hashes] == blocks
 
 
